@@ -1,0 +1,56 @@
+"""The one place that turns the typed config into a Ray Serve application graph.
+
+`serve run configs/local.yaml` imports `build_app`; Ray Serve validates the YAML `args` into
+`AppConfig` through the annotation (so this module must not use `from __future__ import
+annotations`). The deployment classes stay plain Python classes; only this module applies
+`serve.deployment(...)` and `.bind(...)`.
+
+Example:
+    >>> from ray import serve
+    >>> serve.run(build_app(AppConfig()))
+"""
+
+from ray import serve
+from ray.serve import Application
+
+from deployments.language_model import LanguageModel
+from deployments.router import Router
+from pipeline.config import EMBEDDED_MODEL, AppConfig, LanguageModelConfig, RouterConfig
+
+
+def resolve_model_path(config: LanguageModelConfig) -> str:
+    """`embedded` -> the prepared SmolLM2 checkpoint (built on first use); else the path/id as is."""
+    if config.engine.model != EMBEDDED_MODEL:
+        return config.engine.model
+    from pipeline.embedded import prepare_language_model
+
+    return str(prepare_language_model())
+
+
+def language_model_options(config: LanguageModelConfig) -> dict:
+    actor_options: dict = {"num_cpus": config.deployment.num_cpus}
+    if config.env:
+        actor_options["runtime_env"] = {"env_vars": dict(config.env)}
+    return {
+        **config.deployment.serve_options(),
+        "ray_actor_options": actor_options,
+        "placement_group_bundles": [dict(b) for b in config.placement.bundles],
+        "placement_group_strategy": config.placement.strategy,
+    }
+
+
+def router_options(config: RouterConfig) -> dict:
+    return {
+        **config.deployment.serve_options(),
+        "ray_actor_options": {"num_cpus": config.deployment.num_cpus},
+    }
+
+
+def build_app(args: AppConfig) -> Application:
+    """Router (ingress) -> LanguageModel."""
+    model_path = resolve_model_path(args.language_model)
+    language_model = serve.deployment(
+        LanguageModel, name="LanguageModel", **language_model_options(args.language_model)
+    ).bind(args.language_model, model_path)
+    router = serve.deployment(serve.ingress()(Router), name="Router", **router_options(args.router))
+    return router.bind(args.router, language_model, model_path)

@@ -1,0 +1,164 @@
+"""LanguageModel deployment: vLLM's AsyncLLM behind a Ray Serve replica.
+
+The replica owns a placement group (bundles from the config). With `tensor_parallel_size > 1` on
+GPUs vLLM's Ray executor puts one worker in each bundle; on CPU, vLLM 0.32 has no Ray executor
+(`CpuPlatform.ray_device_key` is empty), so the workers are vLLM's own processes inside the
+replica's reserved group.
+
+Example (without Serve):
+    >>> lm = LanguageModel(LanguageModelConfig(), model_path="/path/to/ckpt")
+    >>> async for delta in lm.generate(GenerateRequest("r1", [1, 2, 3], SamplingSpec(8))): ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pipeline.config import EngineConfig, LanguageModelConfig
+from pipeline.protocol import GenerateRequest, GenerationDelta, ModelInfo, SamplingSpec
+
+logger = logging.getLogger("moonserve.language_model")
+
+
+@dataclass
+class EngineLoad:
+    """Latest scheduler counts reported by the engine core (updated every engine step)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+
+
+def load_logger_factory(load: EngineLoad):
+    """A vLLM stat-logger factory that copies the scheduler's request counts into `load`."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class EngineLoadLogger(StatLoggerBase):
+        def __init__(self, vllm_config, engine_index: int = 0):
+            pass
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+            if scheduler_stats is not None:
+                load.num_running = scheduler_stats.num_running_reqs
+                load.num_waiting = scheduler_stats.num_waiting_reqs
+
+        def log_engine_initialized(self):
+            pass
+
+    return EngineLoadLogger
+
+
+def executor_backend(engine: EngineConfig) -> str | None:
+    """vLLM's distributed executor for this engine: Ray on accelerators, its mp executor on CPU."""
+    if engine.tensor_parallel_size == 1:
+        return None
+    from vllm.platforms import current_platform
+
+    return "mp" if current_platform.is_cpu() else "ray"
+
+
+def engine_args(engine: EngineConfig, model_path: str):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs(
+        model=model_path,
+        tokenizer=model_path,
+        served_model_name=[engine.model_name()],
+        dtype=engine.dtype,
+        max_model_len=engine.max_model_len,
+        tensor_parallel_size=engine.tensor_parallel_size,
+        distributed_executor_backend=executor_backend(engine),
+        max_num_seqs=engine.max_num_seqs,
+        max_num_batched_tokens=engine.max_num_batched_tokens,
+        enable_prefix_caching=engine.enable_prefix_caching,
+        enforce_eager=engine.enforce_eager,
+        seed=engine.seed,
+        kv_cache_memory_bytes=engine.kv_cache_memory_bytes,
+        gpu_memory_utilization=engine.gpu_memory_utilization,
+        trust_remote_code=engine.trust_remote_code,
+        disable_log_stats=False,
+    )
+
+
+def sampling_params(spec: SamplingSpec):
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        max_tokens=spec.max_tokens,
+        temperature=spec.temperature,
+        top_p=spec.top_p,
+        stop=list(spec.stop),
+        seed=spec.seed,
+        presence_penalty=spec.presence_penalty,
+        frequency_penalty=spec.frequency_penalty,
+        ignore_eos=spec.ignore_eos,
+        # Deltas, so each chunk carries only new text; vLLM merges deltas the consumer has not
+        # read yet, which batches tokens under load without adding a timer to the stream.
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+class LanguageModel:
+    """One vLLM engine. `generate` streams `GenerationDelta`s; cancelling it aborts the request."""
+
+    def __init__(self, config: LanguageModelConfig, model_path: str):
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.config = config
+        self.load = EngineLoad()
+        self.engine = AsyncLLM.from_engine_args(
+            engine_args(config.engine, model_path),
+            stat_loggers=[load_logger_factory(self.load)],
+        )
+        model_config = self.engine.model_config
+        self.info = ModelInfo(
+            name=config.engine.model_name(),
+            max_model_len=model_config.max_model_len,
+            vocab_size=model_config.get_vocab_size(),
+        )
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerationDelta]:
+        from vllm.inputs import TokensPrompt
+
+        prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
+        num_prompt_tokens = len(request.prompt_token_ids)
+        finished = False
+        try:
+            async for output in self.engine.generate(
+                prompt, sampling_params(request.sampling), request.request_id
+            ):
+                completion = output.outputs[0]
+                finished = output.finished
+                yield GenerationDelta(
+                    text=completion.text,
+                    num_tokens=len(completion.token_ids),
+                    num_prompt_tokens=num_prompt_tokens,
+                    finish_reason=completion.finish_reason if finished else None,
+                )
+        finally:
+            if not finished:
+                # The caller went away (client disconnect, cancel) or the engine failed.
+                await asyncio.shield(self.engine.abort(request.request_id))
+
+    async def model_info(self) -> ModelInfo:
+        return self.info
+
+    async def stats(self) -> dict:
+        return {
+            "num_unfinished_requests": self.engine.get_num_unfinished_requests(),
+            "num_running": self.load.num_running,
+            "num_waiting": self.load.num_waiting,
+        }
+
+    async def check_health(self) -> None:
+        """Raises when the engine is dead; Serve then replaces this replica."""
+        await self.engine.check_health()
+
+    def __del__(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+            self.engine = None

@@ -1,0 +1,96 @@
+"""A streaming OpenAI-API client that measures per-request latency (TTFT, inter-token latency)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+
+@dataclass
+class RequestResult:
+    ttft_s: float
+    e2e_s: float
+    completion_tokens: int
+    # Gaps between content chunks (a chunk is one token unless the server merged several).
+    inter_token_s: list[float] = field(default_factory=list)
+    text: str = ""
+
+
+async def stream_chat(session: aiohttp.ClientSession, url: str, body: dict) -> RequestResult:
+    """POST a streaming chat completion and time it; raises on a non-200 answer or an error event."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    began = time.perf_counter()
+    first = last = None
+    gaps: list[float] = []
+    parts: list[str] = []
+    tokens = 0
+    async with session.post(url, json=body) as response:
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
+        async for line in response.content:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"error event: {event['error']}")
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            text = event["choices"][0]["delta"].get("content") if event["choices"] else None
+            if not text:
+                continue
+            now = time.perf_counter()
+            first = first or now
+            if last is not None:
+                gaps.append(now - last)
+            last = now
+            parts.append(text)
+    end = time.perf_counter()
+    return RequestResult((first or end) - began, end - began, tokens, gaps, "".join(parts))
+
+
+async def run_load(url: str, bodies: list[dict], concurrency: int) -> tuple[list[RequestResult], float]:
+    """Send every body with at most `concurrency` in flight; returns results and wall seconds."""
+    queue: asyncio.Queue = asyncio.Queue()
+    for body in bodies:
+        queue.put_nowait(body)
+    results: list[RequestResult] = []
+
+    async def worker(session):
+        while not queue.empty():
+            results.append(await stream_chat(session, url, queue.get_nowait()))
+
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        began = time.perf_counter()
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+        return results, time.perf_counter() - began
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def summarize(results: list[RequestResult], wall_s: float) -> dict:
+    ttft = [r.ttft_s for r in results]
+    itl = [g for r in results for g in r.inter_token_s]
+    tokens = sum(r.completion_tokens for r in results)
+    return {
+        "requests": len(results),
+        "ttft_ms_p50": 1000 * percentile(ttft, 0.5),
+        "ttft_ms_p99": 1000 * percentile(ttft, 0.99),
+        "itl_ms_p50": 1000 * percentile(itl, 0.5),
+        "e2e_ms_mean": 1000 * statistics.fmean(r.e2e_s for r in results),
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / wall_s,
+        "wall_s": wall_s,
+    }

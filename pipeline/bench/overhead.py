@@ -1,0 +1,149 @@
+"""Pipeline overhead vs vLLM's own OpenAI server: TTFT, inter-token latency, tokens/s.
+
+Both arms serve the same checkpoint with the same engine settings (taken from the config) and get
+the same prompts, greedy, with a fixed number of output tokens. Only one engine is alive at a time
+(an idle vLLM CPU engine still takes CPU): each round starts vLLM, measures, stops it, then starts
+the pipeline, measures, stops it.
+
+    moonserve bench overhead --out bench-overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from pipeline.bench.client import run_load, summarize
+from pipeline.config import EngineConfig, LanguageModelConfig, load_app_config
+from pipeline.launch import ServerProcess
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "List three prime numbers greater than 100.",
+    "What does HTTP stand for?",
+    "Give me a short tip for writing clean code.",
+    "Translate 'good morning' into Spanish.",
+    "Why is the sky blue?",
+    "Name a famous painting by Leonardo da Vinci.",
+    "What is 17 times 23?",
+    "Describe a cat in one sentence.",
+    "What is the boiling point of water in Fahrenheit?",
+]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=str(Path(__file__).resolve().parents[2] / "configs" / "local.yaml"))
+    parser.add_argument("--out", default="bench-overhead.json", help="JSON results file")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--requests", type=int, default=24, help="requests per concurrency level")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=1, help="vLLM/pipeline alternations")
+    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--arms", nargs="+", choices=["vllm", "pipeline"], default=["vllm", "pipeline"],
+                        help="arms to run (the comparison needs both)")
+
+
+def vllm_command(engine: EngineConfig, model_path: str, port: int) -> list[str]:
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
+           "--served-model-name", engine.model_name(), "--dtype", engine.dtype,
+           "--max-num-seqs", str(engine.max_num_seqs), "--seed", str(engine.seed),
+           "--host", "127.0.0.1", "--port", str(port)]
+    if engine.max_model_len:
+        cmd += ["--max-model-len", str(engine.max_model_len)]
+    if engine.enforce_eager:
+        cmd.append("--enforce-eager")
+    if engine.kv_cache_memory_bytes:
+        cmd += ["--kv-cache-memory-bytes", str(engine.kv_cache_memory_bytes)]
+    if not engine.enable_prefix_caching:
+        cmd.append("--no-enable-prefix-caching")
+    return cmd
+
+
+def request_bodies(model: str, n: int, max_tokens: int) -> list[dict]:
+    return [{"model": model, "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+             "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True} for i in range(n)]
+
+
+def measure(server: ServerProcess, args, model: str) -> dict:
+    url = f"{server.base_url}/v1/chat/completions"
+    asyncio.run(run_load(url, request_bodies(model, 2, args.max_tokens), 1))  # warm-up
+    levels = {}
+    for c in args.concurrency:
+        results, wall = asyncio.run(run_load(url, request_bodies(model, args.requests, args.max_tokens), c))
+        levels[f"c{c}"] = summarize(results, wall)
+    return levels
+
+
+def servers(config: LanguageModelConfig, model_path: str, args, logs: Path):
+    engine = config.engine
+    if "vllm" in args.arms:
+        yield "vllm", ServerProcess(vllm_command(engine, model_path, args.port),
+                                f"http://127.0.0.1:{args.port}/health", logs / "vllm.log",
+                                    env=dict(config.env))
+    if "pipeline" in args.arms:
+        yield "pipeline", ServerProcess(
+            [sys.executable, "-m", "pipeline.cli", "serve", "--config", args.config,
+             "--port", str(args.port + 1), "--dashboard-port", str(args.port + 2)],
+            f"http://127.0.0.1:{args.port + 1}/health", logs / "pipeline.log")
+
+
+def ratios(vllm: dict, pipeline: dict) -> dict:
+    out = {}
+    for level in vllm:
+        v, p = vllm[level], pipeline[level]
+        out[level] = {
+            "ttft_p50_overhead_ms": p["ttft_ms_p50"] - v["ttft_ms_p50"],
+            "ttft_p99_overhead_ms": p["ttft_ms_p99"] - v["ttft_ms_p99"],
+            "itl_p50_overhead_ms": p["itl_ms_p50"] - v["itl_ms_p50"],
+            "tokens_per_s_ratio": p["output_tokens_per_s"] / v["output_tokens_per_s"],
+        }
+    return out
+
+
+def merge_rounds(rounds: list[dict]) -> dict:
+    """Per level, the median of each figure over rounds (one round: that round)."""
+    import statistics
+
+    merged = {}
+    for level in rounds[0]:
+        merged[level] = {k: statistics.median(r[level][k] for r in rounds) for k in rounds[0][level]}
+    return merged
+
+
+def print_table(arms: dict, rel: dict) -> None:
+    print(f"{'arm':<10}{'level':<6}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'tok/s':>9}")
+    for arm, levels in arms.items():
+        for level, s in levels.items():
+            print(f"{arm:<10}{level:<6}{s['ttft_ms_p50']:>9.1f}ms{s['ttft_ms_p99']:>8.1f}ms"
+                  f"{s['itl_ms_p50']:>7.1f}ms{s['output_tokens_per_s']:>9.1f}")
+    for level, r in rel.items():
+        print(f"{level}: TTFT p50 overhead {r['ttft_p50_overhead_ms']:+.1f} ms, "
+              f"tokens/s ratio {r['tokens_per_s_ratio']:.3f}")
+
+
+def main(args: argparse.Namespace) -> int:
+    from deployments.builder import resolve_model_path
+
+    config = load_app_config(args.config).language_model
+    model_path = resolve_model_path(config)
+    per_arm: dict[str, list[dict]] = {arm: [] for arm in args.arms}
+    with tempfile.TemporaryDirectory(prefix="moonserve-bench-") as tmp:
+        for _ in range(args.rounds):
+            for arm, server in servers(config, model_path, args, Path(tmp)):
+                with server:
+                    per_arm[arm].append(measure(server, args, config.engine.model_name()))
+    arms = {arm: merge_rounds(rounds) for arm, rounds in per_arm.items()}
+    rel = ratios(arms["vllm"], arms["pipeline"]) if len(arms) == 2 else {}
+    result = {"benchmark": "overhead", "config": args.config, "max_tokens": args.max_tokens,
+              "requests_per_level": args.requests, "rounds": args.rounds, "arms": arms,
+              "per_round": per_arm, "comparison": rel}
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print_table(arms, rel)
+    print(f"results written to {args.out}")
+    return 0

@@ -1,0 +1,76 @@
+"""`moonserve` command line: prepare, serve, bench.
+
+    moonserve prepare                      # build the embedded checkpoint (idempotent)
+    moonserve serve [--config FILE]        # local Ray + app on 127.0.0.1:8000, dashboard :8265
+    moonserve bench overhead [--out FILE]  # pipeline vs vLLM's own OpenAI server, JSON results
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def default_config() -> Path:
+    return Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from pipeline.embedded import prepare_language_model
+
+    print(prepare_language_model(progress=not args.quiet))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pipeline.server import ServeOptions, run_until_signalled
+
+    options = ServeOptions(
+        config=Path(args.config), address=args.address, host=args.host, port=args.port,
+        dashboard_port=args.dashboard_port,
+    )
+    return run_until_signalled(options)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pipeline.bench import overhead
+
+    return overhead.main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moonserve", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    prepare = sub.add_parser("prepare", help="build the embedded model checkpoint under "
+                             "$MOONSERVE_HOME (default ~/.cache/moonserve); idempotent")
+    prepare.add_argument("--quiet", action="store_true", help="no progress bar")
+    prepare.set_defaults(func=cmd_prepare)
+
+    serve = sub.add_parser("serve", help="run the app (Ray Serve) until Ctrl-C/SIGTERM")
+    serve.add_argument("--config", default=str(default_config()),
+                       help="Ray Serve config file (default: configs/local.yaml)")
+    serve.add_argument("--address", default=None,
+                       help="connect to this Ray cluster instead of starting a local one")
+    serve.add_argument("--host", default=None, help="HTTP host (default: the config's, 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=None, help="HTTP port (default: the config's, 8000)")
+    serve.add_argument("--dashboard-port", type=int, default=8265,
+                       help="Ray dashboard port of a local cluster (default 8265)")
+    serve.set_defaults(func=cmd_serve)
+
+    bench = sub.add_parser("bench", help="benchmarks (JSON results)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    from pipeline.bench import overhead
+
+    overhead.add_arguments(bench_sub.add_parser("overhead", help=overhead.__doc__.split("\n")[0]))
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+if __name__ == "__main__":
+    sys.exit(main())

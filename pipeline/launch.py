@@ -1,0 +1,110 @@
+"""Start a server as a child process, wait until it is healthy, stop it with SIGTERM.
+
+Used by the test suite (the real `moonserve serve`) and by benchmarks (one server at a time).
+
+Example:
+    >>> with ServerProcess(["moonserve", "serve", "--port", "8011"],
+    ...                    "http://127.0.0.1:8011/health", log_path=Path("serve.log")) as server:
+    ...     ...   # server.pid, server.base_url
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import psutil
+
+
+class ServerFailed(RuntimeError):
+    pass
+
+
+class ServerProcess:
+    def __init__(self, cmd: list[str], health_url: str, log_path: Path, env: dict | None = None,
+                 start_timeout_s: float = 300.0, stop_timeout_s: float = 60.0):
+        self.cmd = cmd
+        self.health_url = health_url
+        self.log_path = log_path
+        self.env = {**os.environ, **(env or {})}
+        self.start_timeout_s = start_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.startup_s: float | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    @property
+    def base_url(self) -> str:
+        return self.health_url.rsplit("/", 1)[0]
+
+    def start(self) -> ServerProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("wb")
+        began = time.monotonic()
+        # Own session, so stop() can signal the server without touching the caller's group.
+        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True)
+        log.close()
+        self.wait_healthy(began)
+        self.startup_s = time.monotonic() - began
+        return self
+
+    def wait_healthy(self, began: float) -> None:
+        while time.monotonic() - began < self.start_timeout_s:
+            if self.proc.poll() is not None:
+                raise ServerFailed(f"{self.cmd[0]} exited with {self.proc.returncode} during start; "
+                                   f"last log lines:\n{self.log_tail()}")
+            if self.healthy():
+                return
+            time.sleep(0.5)
+        self.stop()
+        raise ServerFailed(f"not healthy after {self.start_timeout_s}s:\n{self.log_tail()}")
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.health_url, timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def descendants(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def stop(self) -> int | None:
+        """SIGTERM, wait; SIGKILL the whole tree if it does not exit in time. Returns the exit code
+        (None when it had to be killed)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(self.stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            for child in self.descendants():
+                child.kill()
+            self.proc.kill()
+            self.proc.wait()
+            return None
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,120 @@
+"""`moonserve serve`: start (or join) Ray, deploy the config's applications, stop cleanly on a signal.
+
+The config file is the same Ray Serve config file `serve run` takes. Its applications' `args` are
+validated before Ray starts, so a typo fails in a second, not after an engine start.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.config import EMBEDDED_MODEL, AppConfig, load_serve_config
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    config: Path
+    address: str | None = None
+    host: str | None = None
+    port: int | None = None
+    dashboard_port: int = 8265
+
+
+@dataclass(frozen=True)
+class AppSpec:
+    name: str
+    route_prefix: str
+    config: AppConfig
+
+
+def read_apps(path: Path) -> tuple[dict, list[AppSpec]]:
+    """The config's `http_options` and its validated applications."""
+    data = load_serve_config(path)
+    apps = []
+    for i, app in enumerate(data["applications"]):
+        if app.get("deployments"):
+            raise ValueError(
+                f"{path}: applications[{i}].deployments: moonserve takes deployment options from "
+                "`args` (router.deployment, language_model.deployment); remove this block"
+            )
+        apps.append(AppSpec(app.get("name", "default"), app.get("route_prefix", "/"),
+                            AppConfig.model_validate(app.get("args") or {})))
+    return data.get("http_options") or {}, apps
+
+
+def start_ray(options: ServeOptions) -> None:
+    import ray
+
+    if options.address:
+        ray.init(address=options.address)
+        return
+    ray.init(include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=options.dashboard_port)
+
+
+def deploy(options: ServeOptions) -> tuple[str, int]:
+    from ray import serve
+
+    from deployments.builder import build_app
+
+    http, apps = read_apps(options.config)
+    if any(a.config.language_model.engine.model == EMBEDDED_MODEL for a in apps):
+        from pipeline.embedded import prepare_language_model
+
+        prepare_language_model()  # before Ray starts, so its progress bar is readable
+    host = options.host or http.get("host", "127.0.0.1")
+    port = options.port or int(http.get("port", 8000))
+    start_ray(options)
+    serve.start(http_options={"host": host, "port": port})
+    for app in apps:
+        serve.run(build_app(app.config), name=app.name, route_prefix=app.route_prefix)
+    return host, port
+
+
+def wait_for_signal() -> int:
+    stop = threading.Event()
+    received: list[int] = []
+
+    def handler(signum, frame):
+        received.append(signum)
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+    while not stop.wait(0.5):
+        pass
+    return received[0]
+
+
+def run_until_signalled(options: ServeOptions) -> int:
+    import ray
+
+    apps: list[AppSpec] = []
+    try:
+        apps = read_apps(options.config)[1]
+        host, port = deploy(options)
+        print(f"moonserve: OpenAI API at http://{host}:{port}/v1 (health: /health)", flush=True)
+        if not options.address:
+            print(f"moonserve: Ray dashboard at http://127.0.0.1:{options.dashboard_port}",
+                  flush=True)
+        signum = wait_for_signal()
+        print(f"moonserve: {signal.Signals(signum).name} received, shutting down", flush=True)
+    finally:
+        if ray.is_initialized():
+            stop(options, apps)
+    return 0
+
+
+def stop(options: ServeOptions, apps: list[AppSpec]) -> None:
+    """Local cluster: stop Serve and Ray. Shared cluster: remove only this config's apps."""
+    import ray
+    from ray import serve
+
+    if options.address:
+        for app in apps:
+            serve.delete(app.name)
+        return
+    serve.shutdown()
+    ray.shutdown()

@@ -1,0 +1,88 @@
+"""The typed app config: the shipped configs validate, mistakes fail naming the key."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from pipeline.config import AppConfig, load_app_config
+from pipeline.server import read_apps
+from tests.conftest import LOCAL_CONFIG
+
+
+def local_args() -> dict:
+    return yaml.safe_load(LOCAL_CONFIG.read_text())["applications"][0]["args"]
+
+
+def test_local_config_is_the_embedded_float32_default():
+    cfg = load_app_config(LOCAL_CONFIG)
+    assert cfg.language_model.engine.model == "embedded"
+    assert cfg.language_model.engine.dtype == "float32"
+    assert cfg.language_model.placement.bundles == [{"CPU": 1.0}]
+
+
+def test_local_config_is_a_ray_serve_config_file():
+    from ray.serve.schema import ServeDeploySchema
+
+    schema = ServeDeploySchema.model_validate(yaml.safe_load(LOCAL_CONFIG.read_text()))
+    assert schema.applications[0].import_path == "deployments.builder:build_app"
+
+
+@pytest.mark.parametrize("path,key", [
+    (("language_model", "engine", "dtyp"), "language_model.engine.dtyp"),
+    (("router", "max_body"), "router.max_body"),
+    (("language_model", "placment"), "language_model.placment"),
+    (("tokenizer",), "tokenizer"),
+])
+def test_unknown_keys_fail_naming_the_key(path, key):
+    args = local_args()
+    node = args
+    for part in path[:-1]:
+        node = node[part]
+    node[path[-1]] = 1
+    with pytest.raises(ValidationError) as err:
+        AppConfig.model_validate(args)
+    assert key in str(err.value).replace("\n  ", ".").replace("\n", ".")
+    assert "Extra inputs are not permitted" in str(err.value)
+
+
+def test_mistyped_values_fail_naming_the_key():
+    args = local_args()
+    args["language_model"]["engine"]["max_model_len"] = "lots"
+    with pytest.raises(ValidationError, match="max_model_len"):
+        AppConfig.model_validate(args)
+    args = local_args()
+    args["language_model"]["engine"]["dtype"] = "float8"
+    with pytest.raises(ValidationError, match="dtype"):
+        AppConfig.model_validate(args)
+
+
+def test_tensor_parallel_needs_a_bundle_per_rank():
+    args = local_args()
+    args["language_model"]["engine"]["tensor_parallel_size"] = 3
+    with pytest.raises(ValidationError, match="one bundle per TP rank"):
+        AppConfig.model_validate(args)
+    args["language_model"]["placement"]["bundles"] = [{"CPU": 0.3}] * 3
+    assert AppConfig.model_validate(args).language_model.engine.tensor_parallel_size == 3
+
+
+def test_serve_rejects_ray_deployment_overrides(tmp_path):
+    data = yaml.safe_load(LOCAL_CONFIG.read_text())
+    data["applications"][0]["deployments"] = [{"name": "Router", "num_replicas": 2}]
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ValueError, match=r"applications\[0\].deployments"):
+        read_apps(path)
+
+
+def test_builder_binds_router_and_language_model_from_config():
+    """The app graph and resources come from the typed config (no Ray started)."""
+    from deployments.builder import language_model_options, router_options
+
+    cfg = load_app_config(LOCAL_CONFIG)
+    lm = language_model_options(cfg.language_model)
+    assert lm["placement_group_bundles"] == [{"CPU": 1.0}]
+    assert lm["placement_group_strategy"] == "STRICT_PACK"
+    assert lm["ray_actor_options"]["runtime_env"]["env_vars"]["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
+    assert router_options(cfg.router)["max_ongoing_requests"] == 256
