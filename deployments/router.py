@@ -136,13 +136,18 @@ class Router:
     async def deltas(self, request: GenerateRequest):
         """Stream from the LM; cancelling this (client disconnect) cancels the LM request."""
         stream = self.lm.options(stream=True).generate.remote(request)
+        exhausted = False
         try:
             async for delta in stream:
                 yield delta
+            exhausted = True
         except Exception as exc:
             raise lm_failure(exc, request.request_id) from exc
         finally:
-            stream.cancel()
+            if not exhausted:
+                # Stopping iteration does not cancel a Serve stream; this reaches the replica as
+                # CancelledError, and LanguageModel.generate aborts the engine request.
+                stream.cancel()
 
 
 def lm_failure(exc: Exception, request_id: str) -> APIError:
