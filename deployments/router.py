@@ -110,11 +110,15 @@ class Router:
                                         prompt_param, self.config.default_max_tokens)
         request = GenerateRequest(request_id, prompt_ids, sampling_spec(body, max_tokens))
         fmt = ResponseFormat(request_id, info.name, chat=chat)
-        if body.stream:
-            encoder = StreamEncoder(fmt, body.include_usage())
-            return StreamingResponse(self.stream(request, encoder), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        return JSONResponse(fmt.full(await self.complete(request)))
+        if not body.stream:
+            return JSONResponse(fmt.full(await self.complete(request)))
+        deltas = self.deltas(request)
+        # Wait for the first delta before sending headers, so a failure before any token (LM
+        # replica gone, engine error) is an HTTP status the client can act on, not a 200 stream.
+        first = await anext(deltas, None)
+        encoder = StreamEncoder(fmt, body.include_usage())
+        return StreamingResponse(self.stream(first, deltas, encoder), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
 
     async def complete(self, request: GenerateRequest) -> Completion:
         completion = Completion()
@@ -122,15 +126,19 @@ class Router:
             completion.add(delta)
         return completion
 
-    async def stream(self, request: GenerateRequest, encoder: StreamEncoder):
-        yield encoder.opening()
+    async def stream(self, first, deltas, encoder: StreamEncoder):
         try:
-            async for delta in self.deltas(request):
+            yield encoder.opening()
+            if first is not None and (chunk := encoder.encode(first)):
+                yield chunk
+            async for delta in deltas:
                 if chunk := encoder.encode(delta):
                     yield chunk
         except APIError as exc:
             # Headers are gone; OpenAI clients read an `error` event in the stream.
             yield sse(exc.body())
+        finally:
+            await deltas.aclose()
         yield encoder.closing()
 
     async def deltas(self, request: GenerateRequest):

@@ -86,3 +86,19 @@ def test_builder_binds_router_and_language_model_from_config():
     assert lm["placement_group_strategy"] == "STRICT_PACK"
     assert lm["ray_actor_options"]["runtime_env"]["env_vars"]["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
     assert router_options(cfg.router)["max_ongoing_requests"] == 256
+
+
+def test_serve_run_path_builds_the_app_from_the_yaml():
+    """What `serve run configs/local.yaml` does: import the builder, validate `args` through its
+    annotation, build the graph (binding needs no running Ray)."""
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+    from ray._common.utils import import_attr
+
+    app_entry = yaml.safe_load(LOCAL_CONFIG.read_text())["applications"][0]
+    builder = import_attr(app_entry["import_path"])
+    app = call_user_app_builder_with_args_if_necessary(builder, app_entry["args"])
+    assert app._bound_deployment.name == "Router"
+
+    bad = {**app_entry["args"], "routr": {}}
+    with pytest.raises(ValidationError, match="routr"):
+        call_user_app_builder_with_args_if_necessary(builder, bad)
