@@ -15,6 +15,7 @@ from ray.serve import Application
 
 from deployments.language_model import LanguageModel
 from deployments.router import Router
+from pipeline.auth import ApiKeys, keys_from_env
 from pipeline.config import EMBEDDED_MODEL, AppConfig, LanguageModelConfig, RouterConfig
 
 
@@ -46,11 +47,30 @@ def router_options(config: RouterConfig) -> dict:
     }
 
 
+def resolve_api_keys(config: RouterConfig) -> ApiKeys | None:
+    """Digests of the configured keys plus those in `auth.api_keys_env`; None when auth is off."""
+    auth = config.auth
+    if not auth.enabled:
+        return None
+    keys = [k.get_secret_value() for k in auth.api_keys] + keys_from_env(auth.api_keys_env)
+    if not keys:
+        raise ValueError(
+            f"router.auth.enabled is true but there is no API key: set router.auth.api_keys or "
+            f"the environment variable {auth.api_keys_env}, or set router.auth.enabled: false"
+        )
+    return ApiKeys.from_plaintext(keys)
+
+
+def bind_router(config: RouterConfig, language_model, model_path: str) -> Application:
+    """The Router ingress bound to a LanguageModel (a bound deployment or an existing handle)."""
+    router = serve.deployment(serve.ingress()(Router), name="Router", **router_options(config))
+    return router.bind(config, language_model, model_path, resolve_api_keys(config))
+
+
 def build_app(args: AppConfig) -> Application:
     """Router (ingress) -> LanguageModel."""
     model_path = resolve_model_path(args.language_model)
     language_model = serve.deployment(
         LanguageModel, name="LanguageModel", **language_model_options(args.language_model)
     ).bind(args.language_model, model_path)
-    router = serve.deployment(serve.ingress()(Router), name="Router", **router_options(args.router))
-    return router.bind(args.router, language_model, model_path)
+    return bind_router(args.router, language_model, model_path)

@@ -20,8 +20,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pipeline.auth import ApiKeys
 from pipeline.config import RouterConfig
 from pipeline.errors import APIError, from_validation_error
+from pipeline.limits import check_chat_limits, check_completion_limits
 from pipeline.prompt import PromptBuilder, resolve_max_tokens
 from pipeline.protocol import (
     ChatCompletionRequest,
@@ -42,9 +44,14 @@ HEALTH_TIMEOUT_S = 5.0
 
 
 class Router:
-    def __init__(self, config: RouterConfig, language_model, model_path: str):
+    """`api_keys` is None when auth is off (the builder resolves keys from config and env)."""
+
+    def __init__(self, config: RouterConfig, language_model, model_path: str,
+                 api_keys: ApiKeys | None = None):
         self.config = config
+        self.limits = config.limits
         self.lm = language_model
+        self.api_keys = api_keys
         self.prompts = PromptBuilder.from_pretrained(model_path)
         self._info: ModelInfo | None = None
 
@@ -63,8 +70,18 @@ class Router:
             self._info = await self.lm.model_info.remote()
         return self._info
 
+    def authenticate(self, request: Request) -> None:
+        if self.api_keys is not None:
+            self.api_keys.check(request.headers.get("authorization"))
+
+    async def parse(self, request: Request, model):
+        """Auth, then the body within its byte limit, then validation: cheapest refusals first."""
+        self.authenticate(request)
+        return parse_body(model, await read_body(request, self.limits.max_request_bytes))
+
     async def chat_completions(self, request: Request) -> Response:
-        body = parse_body(ChatCompletionRequest, await read_body(request, self.config.max_request_bytes))
+        body = await self.parse(request, ChatCompletionRequest)
+        check_chat_limits(body, self.limits)
         info = await self.check_model(body.model)
         prompt_ids = await self.tokenize(self.prompts.chat_prompt_ids, body,
                                          sum(len(m.text()) for m in body.messages))
@@ -72,14 +89,16 @@ class Router:
                                   chat=True)
 
     async def completions(self, request: Request) -> Response:
-        body = parse_body(CompletionRequest, await read_body(request, self.config.max_request_bytes))
+        body = await self.parse(request, CompletionRequest)
+        check_completion_limits(body, self.limits)
         info = await self.check_model(body.model)
         prompt_ids = await self.tokenize(lambda b: self.prompts.completion_prompt_ids(b, info), body,
                                          len(body.prompt))
         return await self.respond(body, prompt_ids, info, "prompt", f"cmpl-{uuid.uuid4().hex}",
                                   chat=False)
 
-    async def models(self) -> dict:
+    async def models(self, request: Request) -> dict:
+        self.authenticate(request)
         info = await self.model_info()
         card = {"id": info.name, "object": "model", "created": 0, "owned_by": "moonserve",
                 "max_model_len": info.max_model_len}
@@ -107,7 +126,7 @@ class Router:
 
     async def respond(self, body, prompt_ids, info, prompt_param, request_id, chat) -> Response:
         max_tokens = resolve_max_tokens(len(prompt_ids), body.requested_max_tokens(), info,
-                                        prompt_param, self.config.default_max_tokens)
+                                        prompt_param, self.limits.default_max_tokens)
         request = GenerateRequest(request_id, prompt_ids, sampling_spec(body, max_tokens))
         fmt = ResponseFormat(request_id, info.name, chat=chat)
         if not body.stream:

@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    SecretStr,
+    model_validator,
+)
 
 EMBEDDED_MODEL = "embedded"
 
@@ -103,11 +111,34 @@ class LanguageModelConfig(StrictModel):
         return self
 
 
+class AuthConfig(StrictModel):
+    """API keys for `/v1/*` (`Authorization: Bearer <key>`); `/health` stays open.
+
+    Keys come from `api_keys` and from the comma-separated environment variable `api_keys_env`
+    (read where the app is built). Enabled with no key at all is a start-up error.
+    """
+
+    enabled: bool = True
+    api_keys: list[SecretStr] = Field(default_factory=list)
+    api_keys_env: str = "MOONSERVE_API_KEYS"
+
+
+class LimitsConfig(StrictModel):
+    """Per-request limits, enforced by the router before any engine work (400/413 naming them)."""
+
+    max_request_bytes: PositiveInt = 1 << 20
+    max_messages: PositiveInt = 256
+    max_message_chars: PositiveInt = 1 << 18
+    # Largest max_tokens a request may ask for (None: up to the context limit).
+    max_tokens: PositiveInt | None = None
+    # max_tokens when a request leaves it unset (None: up to the context limit, as OpenAI does).
+    default_max_tokens: PositiveInt | None = None
+
+
 class RouterConfig(StrictModel):
     deployment: DeploymentOptions = DeploymentOptions(max_ongoing_requests=256)
-    max_request_bytes: PositiveInt = 1 << 20
-    # Upper bound on max_tokens when a request leaves it unset (None: up to the context limit).
-    default_max_tokens: PositiveInt | None = None
+    auth: AuthConfig = AuthConfig()
+    limits: LimitsConfig = LimitsConfig()
 
 
 class AppConfig(StrictModel):
