@@ -12,9 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-
-def default_config() -> Path:
-    return Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
+from pipeline.config import DEFAULT_CONFIG
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -71,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.set_defaults(func=cmd_prepare)
 
     serve = sub.add_parser("serve", help="run the app (Ray Serve) until Ctrl-C/SIGTERM")
-    serve.add_argument("--config", default=str(default_config()),
+    serve.add_argument("--config", default=str(DEFAULT_CONFIG),
                        help="Ray Serve config file (default: configs/local.yaml)")
     serve.add_argument("--address", default=None,
                        help="connect to this Ray cluster instead of starting a local one")

@@ -27,6 +27,8 @@ from pydantic import (
 )
 
 EMBEDDED_MODEL = "embedded"
+# The embedded default, next to the package in a source checkout.
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
 
 
 class StrictModel(BaseModel):

@@ -16,10 +16,11 @@ import openai
 import psutil
 import pytest
 
+from pipeline.config import DEFAULT_CONFIG
 from pipeline.launch import ServerProcess
 
 REPO = Path(__file__).resolve().parent.parent
-LOCAL_CONFIG = REPO / "configs" / "local.yaml"
+LOCAL_CONFIG = DEFAULT_CONFIG
 # Ports away from the defaults, so a developer's own `moonserve serve` does not collide.
 HTTP_PORT = int(os.environ.get("MOONSERVE_TEST_PORT", "8123"))
 DASHBOARD_PORT = HTTP_PORT + 150

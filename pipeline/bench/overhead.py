@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from pipeline.bench.client import run_load, summarize
-from pipeline.config import EngineConfig, LanguageModelConfig, load_app_config
+from pipeline.config import DEFAULT_CONFIG, EngineConfig, LanguageModelConfig, load_app_config
 from pipeline.launch import ServerProcess
 
 PROMPTS = [
@@ -38,7 +38,7 @@ PROMPTS = [
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default=str(Path(__file__).resolve().parents[2] / "configs" / "local.yaml"))
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="Ray Serve config file")
     parser.add_argument("--out", default="bench-overhead.json", help="JSON results file")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--requests", type=int, default=24, help="requests per concurrency level")
