@@ -1,0 +1,137 @@
+"""Property-based fuzzing of the OpenAI endpoints over real HTTP: no input gives a 5xx.
+
+Bodies are drawn by hypothesis from a mix of well-formed fields and arbitrary JSON in their place,
+plus unknown keys and raw bytes. Every response must be a well-formed OpenAI error (4xx) or a valid
+completion. The fuzzed Router is a second app on the session cluster, bound to the same
+LanguageModel, with `max_tokens` capped at 1 so the valid inputs stay cheap.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import LOCAL_CONFIG, MODEL
+
+CHAT_EXAMPLES = 1500
+COMPLETION_EXAMPLES = 500
+RAW_EXAMPLES = 300
+tried = {"chat": 0, "completions": 0, "raw": 0}
+
+json_scalar = (st.none() | st.booleans() | st.integers(-(2**70), 2**70)
+               | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12))
+json_value = st.recursive(json_scalar, lambda inner: st.lists(inner, max_size=3)
+                          | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=6)
+
+
+def either(good):
+    """Mostly well-formed values, sometimes anything JSON can hold."""
+    return st.one_of(good, good, json_value)
+
+
+text_part = st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url", "x"]),
+                                   "text": either(st.text(max_size=20))})
+message = st.fixed_dictionaries(
+    {"role": either(st.sampled_from(["system", "user", "assistant", "tool", "developer"])),
+     "content": either(st.text(max_size=40) | st.lists(text_part, max_size=2))},
+    optional={"name": json_value, "extra": json_value})
+sampling = {
+    "max_tokens": either(st.integers(-3, 2)),
+    "temperature": either(st.floats(-1, 3)),
+    "top_p": either(st.floats(-0.5, 1.5)),
+    "n": either(st.integers(0, 3)),
+    "stop": either(st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=5)),
+    "seed": either(st.integers(-(2**64), 2**64)),
+    "presence_penalty": either(st.floats(-3, 3)),
+    "frequency_penalty": either(st.floats(-3, 3)),
+    "stream": either(st.booleans()),
+    "stream_options": either(st.fixed_dictionaries({"include_usage": st.booleans()})),
+    "logprobs": json_value,
+    "tools": json_value,
+    "user": either(st.text(max_size=8)),
+    "ignore_eos": either(st.booleans()),
+}
+chat_body = st.fixed_dictionaries(
+    {}, optional={"model": either(st.sampled_from([MODEL, "gpt-4o"])),
+                  "messages": either(st.lists(message, max_size=3)),
+                  "max_completion_tokens": either(st.integers(-1, 2)), **sampling,
+                  "surprise": json_value})
+completion_body = st.fixed_dictionaries(
+    {}, optional={"model": either(st.just(MODEL)),
+                  "prompt": either(st.text(max_size=40) | st.lists(st.integers(-5, 60000), max_size=8)),
+                  "echo": json_value, "suffix": json_value, **sampling})
+
+
+@pytest.fixture(scope="module")
+def fuzz_url(server):
+    from ray import serve
+
+    from deployments.builder import bind_router, resolve_model_path
+    from pipeline.config import AppConfig
+
+    args = yaml.safe_load(LOCAL_CONFIG.read_text())["applications"][0]["args"]
+    args["router"]["limits"] = {"max_tokens": 1, "default_max_tokens": 1}
+    config = AppConfig.model_validate(args)
+    app = bind_router(config.router, server.lm_handle(), resolve_model_path(config.language_model))
+    serve.run(app, name="fuzz", route_prefix="/fuzz")
+    with httpx.Client(base_url=f"{server.base_url}/fuzz", timeout=60) as http:
+        yield http
+    serve.delete("fuzz")
+
+
+def check_response(r: httpx.Response, stream: bool) -> None:
+    assert r.status_code < 500, f"{r.status_code}: {r.text[:500]}"
+    if r.status_code != 200:
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"]
+        return
+    if stream:
+        events = [line for line in r.text.split("\n\n") if line]
+        assert events[-1] == "data: [DONE]"
+        for event in events[:-1]:
+            assert "error" not in json.loads(event.removeprefix("data: ")), event
+        return
+    body = r.json()
+    assert body["choices"][0]["finish_reason"] in ("stop", "length")
+    assert body["usage"]["completion_tokens"] <= 1
+
+
+FUZZ_SETTINGS = dict(deadline=None, database=None, derandomize=True,
+                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
+                                            HealthCheck.data_too_large])
+
+
+@settings(max_examples=CHAT_EXAMPLES, **FUZZ_SETTINGS)
+@given(body=chat_body)
+def test_fuzz_chat_completions(fuzz_url, body):
+    tried["chat"] += 1
+    check_response(fuzz_url.post("/v1/chat/completions", json=body), body.get("stream") is True)
+
+
+@settings(max_examples=COMPLETION_EXAMPLES, **FUZZ_SETTINGS)
+@given(body=completion_body)
+def test_fuzz_completions(fuzz_url, body):
+    tried["completions"] += 1
+    check_response(fuzz_url.post("/v1/completions", json=body), body.get("stream") is True)
+
+
+@settings(max_examples=RAW_EXAMPLES, **FUZZ_SETTINGS)
+@given(raw=st.binary(max_size=200) | st.text(max_size=100).map(lambda t: t.encode("utf-8", "surrogatepass")))
+def test_fuzz_raw_bytes(fuzz_url, raw):
+    tried["raw"] += 1
+    r = fuzz_url.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    check_response(r, stream=False)
+
+
+def test_fuzz_counts(fuzz_url):
+    """Runs after the fuzz tests (file order): reports how many inputs were tried."""
+    total = sum(tried.values())
+    if total == 0:
+        pytest.skip("the fuzz tests were deselected")
+    print(f"\nfuzzed inputs tried: {tried} total={total}")
+    assert total >= CHAT_EXAMPLES + COMPLETION_EXAMPLES + RAW_EXAMPLES
