@@ -27,6 +27,15 @@ DASHBOARD_PORT = HTTP_PORT + 150
 MODEL = "moonserve-embedded"
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "destructive: kills parts of the session server; runs last")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Tests that kill replicas of the session server run after everything else."""
+    items.sort(key=lambda item: item.get_closest_marker("destructive") is not None)
+
+
 class RunningServer:
     def __init__(self, process: ServerProcess):
         self.process = process

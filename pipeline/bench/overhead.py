@@ -17,6 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import psutil
+
 from pipeline.bench.client import run_load, summarize
 from pipeline.config import DEFAULT_CONFIG, EngineConfig, LanguageModelConfig, load_app_config
 from pipeline.launch import ServerProcess
@@ -75,9 +77,38 @@ def measure(server: ServerProcess, args, model: str) -> dict:
     asyncio.run(run_load(url, request_bodies(model, 2, args.max_tokens), 1))  # warm-up
     levels = {}
     for c in args.concurrency:
+        before = cpu_seconds_by_process(server)
         results, wall = asyncio.run(run_load(url, request_bodies(model, args.requests, args.max_tokens), c))
         levels[f"c{c}"] = summarize(results, wall)
+        levels[f"c{c}"]["cpu_ms_per_output_token"] = cpu_per_token(
+            before, cpu_seconds_by_process(server), levels[f"c{c}"]["output_tokens"])
     return levels
+
+
+def cpu_seconds_by_process(server: ServerProcess) -> dict[int, tuple[str, float]]:
+    """CPU seconds so far of the server and every descendant, keyed by pid, with a short title."""
+    out = {}
+    for process in [psutil.Process(server.pid), *server.descendants()]:
+        try:
+            times = process.cpu_times()
+            title = (process.cmdline() or [process.name()])[0].split("/")[-1]
+            # Ray retitles a worker with its current task ("ray::Router.handle_request...").
+            title = title.split(".")[0] if title.startswith("ray::") else title
+            out[process.pid] = (title, times.user + times.system)
+        except psutil.Error:
+            continue
+    return out
+
+
+def cpu_per_token(before: dict, after: dict, tokens: int) -> dict[str, float]:
+    """Where the CPU went during one load level: ms per output token by process title, so the
+    cost of each hop (engine, replicas, proxy, Ray's own daemons) can be compared across arms."""
+    by_title: dict[str, float] = {}
+    for pid, (title, seconds) in after.items():
+        spent = seconds - before.get(pid, (title, 0.0))[1]
+        by_title[title] = by_title.get(title, 0.0) + spent
+    per_token = {t: 1000 * s / max(tokens, 1) for t, s in by_title.items() if s > 0.01}
+    return dict(sorted(per_token.items(), key=lambda kv: -kv[1]))
 
 
 def servers(config: LanguageModelConfig, model_path: str, args, logs: Path):
@@ -107,21 +138,28 @@ def ratios(vllm: dict, pipeline: dict) -> dict:
 
 
 def merge_rounds(rounds: list[dict]) -> dict:
-    """Per level, the median of each figure over rounds (one round: that round)."""
+    """Per level, the median of each figure over rounds (one round: that round); the CPU
+    breakdown is kept per round in `per_round`."""
     import statistics
 
     merged = {}
-    for level in rounds[0]:
-        merged[level] = {k: statistics.median(r[level][k] for r in rounds) for k in rounds[0][level]}
+    for level, figures in rounds[0].items():
+        merged[level] = {k: statistics.median(r[level][k] for r in rounds)
+                         for k, v in figures.items() if isinstance(v, (int, float))}
     return merged
 
 
-def print_table(arms: dict, rel: dict) -> None:
+def print_table(arms: dict, per_round: dict, rel: dict) -> None:
     print(f"{'arm':<10}{'level':<6}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'tok/s':>9}")
     for arm, levels in arms.items():
         for level, s in levels.items():
             print(f"{arm:<10}{level:<6}{s['ttft_ms_p50']:>9.1f}ms{s['ttft_ms_p99']:>8.1f}ms"
                   f"{s['itl_ms_p50']:>7.1f}ms{s['output_tokens_per_s']:>9.1f}")
+    for arm, rounds in per_round.items():
+        for level, s in rounds[0].items():
+            cpu = s["cpu_ms_per_output_token"]
+            top = ", ".join(f"{t} {ms:.1f}" for t, ms in list(cpu.items())[:5])
+            print(f"CPU ms/token {arm} {level}: total {sum(cpu.values()):.1f} ({top})")
     for level, r in rel.items():
         print(f"{level}: TTFT p50 overhead {r['ttft_p50_overhead_ms']:+.1f} ms, "
               f"tokens/s ratio {r['tokens_per_s_ratio']:.3f}")
@@ -144,6 +182,6 @@ def main(args: argparse.Namespace) -> int:
               "requests_per_level": args.requests, "rounds": args.rounds, "arms": arms,
               "per_round": per_arm, "comparison": rel}
     Path(args.out).write_text(json.dumps(result, indent=2))
-    print_table(arms, rel)
+    print_table(arms, per_arm, rel)
     print(f"results written to {args.out}")
     return 0
