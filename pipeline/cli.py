@@ -23,13 +23,20 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
     from pipeline.server import ServeOptions, run_until_signalled
 
     options = ServeOptions(
         config=Path(args.config), address=args.address, host=args.host, port=args.port,
         dashboard_port=args.dashboard_port,
     )
-    return run_until_signalled(options)
+    try:
+        return run_until_signalled(options)
+    except (ValidationError, ValueError, FileNotFoundError) as exc:
+        # Config mistakes (raised before Ray starts): the message names the key; no traceback.
+        print(f"moonserve serve: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

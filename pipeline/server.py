@@ -7,7 +7,6 @@ validated before Ray starts, so a typo fails in a second, not after an engine st
 from __future__ import annotations
 
 import signal
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,12 +53,11 @@ def start_ray(options: ServeOptions) -> None:
     ray.init(include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=options.dashboard_port)
 
 
-def deploy(options: ServeOptions) -> tuple[str, int]:
+def deploy(options: ServeOptions, http: dict, apps: list[AppSpec]) -> tuple[str, int]:
     from ray import serve
 
     from deployments.builder import build_app
 
-    http, apps = read_apps(options.config)
     if any(a.config.language_model.engine.model == EMBEDDED_MODEL for a in apps):
         from pipeline.embedded import prepare_language_model
 
@@ -73,34 +71,44 @@ def deploy(options: ServeOptions) -> tuple[str, int]:
     return host, port
 
 
-def wait_for_signal() -> int:
-    stop = threading.Event()
-    received: list[int] = []
+class ShutdownRequested(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def install_signal_handlers() -> None:
+    """SIGINT/SIGTERM, during start-up or while serving, unwind into the cleanup in
+    `run_until_signalled`; signals that arrive during the cleanup itself are ignored."""
+    requested: list[int] = []
 
     def handler(signum, frame):
-        received.append(signum)
-        stop.set()
+        if requested:
+            return
+        requested.append(signum)
+        raise ShutdownRequested(signum)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, handler)
-    while not stop.wait(0.5):
-        pass
-    return received[0]
 
 
 def run_until_signalled(options: ServeOptions) -> int:
+    """Deploy, serve until Ctrl-C/SIGTERM, then stop what was started. Config errors are raised
+    before Ray starts."""
     import ray
 
-    apps: list[AppSpec] = []
+    http, apps = read_apps(options.config)
+    install_signal_handlers()
     try:
-        apps = read_apps(options.config)[1]
-        host, port = deploy(options)
+        host, port = deploy(options, http, apps)
         print(f"moonserve: OpenAI API at http://{host}:{port}/v1 (health: /health)", flush=True)
         if not options.address:
             print(f"moonserve: Ray dashboard at http://127.0.0.1:{options.dashboard_port}",
                   flush=True)
-        signum = wait_for_signal()
-        print(f"moonserve: {signal.Signals(signum).name} received, shutting down", flush=True)
+        while True:
+            signal.pause()
+    except ShutdownRequested as request:
+        print(f"moonserve: {request} received, shutting down", flush=True)
     finally:
         if ray.is_initialized():
             stop(options, apps)

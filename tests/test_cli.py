@@ -41,3 +41,21 @@ def test_ci_runs_exactly_the_readme_setup_and_test_commands():
     for marker in ("# README: setup", "# README: test"):
         command = ci[ci.index(marker) + 1]
         assert command in readme, f"{command!r} from .ci/run is not in README.md"
+
+
+def test_serve_with_a_config_typo_fails_fast_naming_the_key(tmp_path):
+    import yaml
+
+    data = yaml.safe_load((REPO / "configs" / "local.yaml").read_text())
+    data["applications"][0]["args"]["language_model"]["engine"]["max_model_lenght"] = 10
+    path = tmp_path / "typo.yaml"
+    path.write_text(yaml.safe_dump(data))
+    out = moonserve("serve", "--config", str(path), "--port", "8199")
+    assert out.returncode == 2
+    assert "language_model.engine.max_model_lenght" in out.stderr.replace("\n  ", ".")
+    assert "Traceback" not in out.stderr
+
+
+def test_serve_with_a_missing_config_fails_fast():
+    out = moonserve("serve", "--config", "/nonexistent/moonserve.yaml")
+    assert out.returncode == 2 and "/nonexistent/moonserve.yaml" in out.stderr
