@@ -53,18 +53,21 @@ def start_ray(options: ServeOptions) -> None:
     ray.init(include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=options.dashboard_port)
 
 
+def prepare_embedded(apps: list[AppSpec]) -> None:
+    """Build the embedded checkpoint before Ray starts, so its progress bar is readable."""
+    if any(a.config.language_model.engine.model == EMBEDDED_MODEL for a in apps):
+        from pipeline.embedded import prepare_language_model
+
+        prepare_language_model()
+
+
 def deploy(options: ServeOptions, http: dict, apps: list[AppSpec]) -> tuple[str, int]:
     from ray import serve
 
     from deployments.builder import build_app
 
-    if any(a.config.language_model.engine.model == EMBEDDED_MODEL for a in apps):
-        from pipeline.embedded import prepare_language_model
-
-        prepare_language_model()  # before Ray starts, so its progress bar is readable
     host = options.host or http.get("host", "127.0.0.1")
     port = options.port or int(http.get("port", 8000))
-    start_ray(options)
     serve.start(http_options={"host": host, "port": port})
     for app in apps:
         serve.run(build_app(app.config), name=app.name, route_prefix=app.route_prefix)
@@ -77,9 +80,9 @@ class ShutdownRequested(Exception):
         self.signum = signum
 
 
-def install_signal_handlers() -> None:
-    """SIGINT/SIGTERM, during start-up or while serving, unwind into the cleanup in
-    `run_until_signalled`; signals that arrive during the cleanup itself are ignored."""
+def shutdown_handler():
+    """A handler that turns the first SIGINT/SIGTERM into `ShutdownRequested`, so start-up or
+    serving unwinds into the cleanup in `run_until_signalled`; later signals are ignored."""
     requested: list[int] = []
 
     def handler(signum, frame):
@@ -88,6 +91,10 @@ def install_signal_handlers() -> None:
         requested.append(signum)
         raise ShutdownRequested(signum)
 
+    return handler
+
+
+def listen(handler) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, handler)
 
@@ -98,8 +105,12 @@ def run_until_signalled(options: ServeOptions) -> int:
     import ray
 
     http, apps = read_apps(options.config)
-    install_signal_handlers()
+    handler = shutdown_handler()
+    listen(handler)
     try:
+        prepare_embedded(apps)
+        start_ray(options)
+        listen(handler)  # ray.init installs its own SIGTERM handler (it aborts the driver)
         host, port = deploy(options, http, apps)
         print(f"moonserve: OpenAI API at http://{host}:{port}/v1 (health: /health)", flush=True)
         if not options.address:
