@@ -48,7 +48,6 @@ class Router:
 
     def __init__(self, config: RouterConfig, language_model, model_path: str,
                  api_keys: ApiKeys | None = None):
-        self.config = config
         self.limits = config.limits
         self.lm = language_model
         self.api_keys = api_keys

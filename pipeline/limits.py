@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pipeline.config import LimitsConfig
 from pipeline.errors import bad_request
-from pipeline.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from pipeline.protocol import ChatCompletionRequest, CompletionRequest
 
 
 def check_chat_limits(request: ChatCompletionRequest, limits: LimitsConfig) -> None:
@@ -16,18 +16,18 @@ def check_chat_limits(request: ChatCompletionRequest, limits: LimitsConfig) -> N
             raise bad_request(f"messages[{i}].content: {n} characters exceed the limit of "
                               f"{limits.max_message_chars} per message", f"messages[{i}].content",
                               "message_too_long")
-    check_max_tokens(request, request.requested_max_tokens(), limits)
+    param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
+    check_max_tokens(request.requested_max_tokens(), param, limits)
 
 
 def check_completion_limits(request: CompletionRequest, limits: LimitsConfig) -> None:
     if isinstance(request.prompt, str) and len(request.prompt) > limits.max_message_chars:
         raise bad_request(f"prompt: {len(request.prompt)} characters exceed the limit of "
                           f"{limits.max_message_chars}", "prompt", "message_too_long")
-    check_max_tokens(request, request.requested_max_tokens(), limits)
+    check_max_tokens(request.max_tokens, "max_tokens", limits)
 
 
-def check_max_tokens(request: SamplingFields, requested: int | None, limits: LimitsConfig) -> None:
+def check_max_tokens(requested: int | None, param: str, limits: LimitsConfig) -> None:
     if limits.max_tokens and requested and requested > limits.max_tokens:
-        param = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) else "max_tokens"
         raise bad_request(f"{param}: {requested} exceeds this server's limit of {limits.max_tokens}",
                           param, "max_tokens_exceeded")

@@ -159,7 +159,7 @@ def print_table(arms: dict, per_round: dict, rel: dict) -> None:
         for level, s in rounds[0].items():
             cpu = s["cpu_ms_per_output_token"]
             top = ", ".join(f"{t} {ms:.1f}" for t, ms in list(cpu.items())[:5])
-            print(f"CPU ms/token {arm} {level}: total {sum(cpu.values()):.1f} ({top})")
+            print(f"CPU ms/token {arm} {level} (round 1): total {sum(cpu.values()):.1f} ({top})")
     for level, r in rel.items():
         print(f"{level}: TTFT p50 overhead {r['ttft_p50_overhead_ms']:+.1f} ms, "
               f"tokens/s ratio {r['tokens_per_s_ratio']:.3f}")
