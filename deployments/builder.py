@@ -14,9 +14,19 @@ from ray import serve
 from ray.serve import Application
 
 from deployments.language_model import LanguageModel
+from deployments.preprocess import ImagePreprocessor
 from deployments.router import Router
+from deployments.vision import VisionEncoder
 from pipeline.auth import ApiKeys, keys_from_env
-from pipeline.config import EMBEDDED_MODEL, AppConfig, LanguageModelConfig, RouterConfig
+from pipeline.config import (
+    EMBEDDED_MODEL,
+    AppConfig,
+    DeploymentOptions,
+    LanguageModelConfig,
+    RouterConfig,
+    VisionConfig,
+    VisionEncoderConfig,
+)
 
 
 def resolve_model_path(config: LanguageModelConfig) -> str:
@@ -41,10 +51,7 @@ def language_model_options(config: LanguageModelConfig) -> dict:
 
 
 def router_options(config: RouterConfig) -> dict:
-    return {
-        **config.deployment.serve_options(),
-        "ray_actor_options": {"num_cpus": config.deployment.num_cpus},
-    }
+    return cpu_options(config.deployment)
 
 
 def resolve_api_keys(config: RouterConfig) -> ApiKeys | None:
@@ -61,16 +68,47 @@ def resolve_api_keys(config: RouterConfig) -> ApiKeys | None:
     return ApiKeys.from_plaintext(keys)
 
 
-def bind_router(config: RouterConfig, language_model, model_path: str) -> Application:
-    """The Router ingress bound to a LanguageModel (a bound deployment or an existing handle)."""
+def bind_router(config: RouterConfig, language_model, model_path: str,
+                vision: VisionConfig | None = None, preprocessor=None, encoder=None) -> Application:
+    """The Router ingress bound to a LanguageModel (and, with `vision`, the image deployments);
+    each a bound deployment or an existing handle."""
     router = serve.deployment(serve.ingress()(Router), name="Router", **router_options(config))
-    return router.bind(config, language_model, model_path, resolve_api_keys(config))
+    return router.bind(config, language_model, model_path, resolve_api_keys(config), vision,
+                       preprocessor, encoder)
+
+
+def resolve_encoder_path(config: VisionEncoderConfig, lm_path: str) -> str:
+    """`embedded` -> the seeded random MoonViT projecting to the LM's hidden size."""
+    if config.model != EMBEDDED_MODEL:
+        return config.model
+    from pipeline.embedded import prepare_vision_encoder
+
+    return str(prepare_vision_encoder(lm_path))
+
+
+def cpu_options(options: DeploymentOptions, num_gpus: float = 0.0) -> dict:
+    actor = {"num_cpus": options.num_cpus, **({"num_gpus": num_gpus} if num_gpus else {})}
+    return {**options.serve_options(), "ray_actor_options": actor}
+
+
+def bind_vision(vision: VisionConfig, lm_path: str) -> tuple[Application, Application]:
+    preprocessor = serve.deployment(
+        ImagePreprocessor, name="ImagePreprocessor",
+        **cpu_options(vision.preprocessor.deployment)).bind(vision.preprocessor)
+    encoder = serve.deployment(
+        VisionEncoder, name="VisionEncoder",
+        **cpu_options(vision.encoder.deployment, vision.encoder.num_gpus),
+    ).bind(vision.encoder, resolve_encoder_path(vision.encoder, lm_path))
+    return preprocessor, encoder
 
 
 def build_app(args: AppConfig) -> Application:
-    """Router (ingress) -> LanguageModel."""
+    """Router (ingress) -> [ImagePreprocessor -> VisionEncoder] -> LanguageModel."""
     model_path = resolve_model_path(args.language_model)
     language_model = serve.deployment(
         LanguageModel, name="LanguageModel", **language_model_options(args.language_model)
     ).bind(args.language_model, model_path)
-    return bind_router(args.router, language_model, model_path)
+    if args.vision is None:
+        return bind_router(args.router, language_model, model_path)
+    preprocessor, encoder = bind_vision(args.vision, model_path)
+    return bind_router(args.router, language_model, model_path, args.vision, preprocessor, encoder)

@@ -17,6 +17,8 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import numpy as np
+
 from pipeline.config import EngineConfig, LanguageModelConfig
 from pipeline.protocol import GenerateRequest, GenerationDelta, ModelInfo, SamplingSpec
 
@@ -69,17 +71,41 @@ def engine_args(engine: EngineConfig, model_path: str):
         dtype=engine.dtype,
         max_model_len=engine.max_model_len,
         tensor_parallel_size=engine.tensor_parallel_size,
+        decode_context_parallel_size=engine.decode_context_parallel_size,
+        kv_cache_dtype=engine.kv_cache_dtype,
         distributed_executor_backend=executor_backend(engine),
         max_num_seqs=engine.max_num_seqs,
         max_num_batched_tokens=engine.max_num_batched_tokens,
         enable_prefix_caching=engine.enable_prefix_caching,
         enforce_eager=engine.enforce_eager,
+        scheduling_policy=engine.scheduling_policy,
+        long_prefill_token_threshold=engine.long_prefill_token_threshold,
         seed=engine.seed,
         kv_cache_memory_bytes=engine.kv_cache_memory_bytes,
         gpu_memory_utilization=engine.gpu_memory_utilization,
         trust_remote_code=engine.trust_remote_code,
+        enable_prompt_embeds=engine.enable_prompt_embeds,
         disable_log_stats=False,
     )
+
+
+def load_token_embeddings(model_path: str):
+    """The checkpoint's input embedding table [vocab, hidden], read from its safetensors files."""
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    root = Path(model_path)
+    index = root / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
+        else [p.name for p in root.glob("*.safetensors")]
+    for name in files:
+        with safe_open(root / name, framework="pt") as f:
+            key = next((k for k in f.keys() if k.endswith("embed_tokens.weight")), None)
+            if key is not None:
+                return f.get_tensor(key)
+    raise FileNotFoundError(f"{model_path}: no '*embed_tokens.weight' tensor for prompt embeddings")
 
 
 def sampling_params(spec: SamplingSpec):
@@ -106,29 +132,58 @@ class LanguageModel:
 
     def __init__(self, config: LanguageModelConfig, model_path: str):
         from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
         self.config = config
         self.load = EngineLoad()
         self.engine = AsyncLLM.from_engine_args(
             engine_args(config.engine, model_path),
-            stat_loggers=[load_logger_factory(self.load)],
+            # vLLM's own metrics (vllm:* -> ray_vllm_*) through Ray's metrics agent.
+            stat_loggers=[load_logger_factory(self.load), RayPrometheusStatLogger],
         )
         model_config = self.engine.model_config
+        # Multimodal prompts are built here as embeddings: token rows from this table, image rows
+        # from the VisionEncoder.
+        self.token_embeddings = load_token_embeddings(model_path) \
+            if config.engine.enable_prompt_embeds else None
         self.info = ModelInfo(
             name=config.engine.model_name(),
             max_model_len=model_config.max_model_len,
             vocab_size=model_config.get_vocab_size(),
         )
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerationDelta]:
-        from vllm.inputs import TokensPrompt
+    def prompt(self, request: GenerateRequest, image_embeds: tuple):
+        """Token ids for text; `prompt_embeds` [seq, hidden] with the images spliced in."""
+        from vllm.inputs import EmbedsPrompt, TokensPrompt
 
-        prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
+        if not image_embeds:
+            return TokensPrompt(prompt_token_ids=request.prompt_token_ids)
+        import torch
+
+        from pipeline.multimodal import splice_image_embeddings
+
+        if self.token_embeddings is None:
+            raise ValueError("image embeddings sent, but engine.enable_prompt_embeds is false")
+        ids = torch.tensor(request.prompt_token_ids)
+        embeds = splice_image_embeddings(self.token_embeddings[ids], ids,
+                                         request.image_placeholder_id,
+                                         [torch.from_numpy(np.array(e)) for e in image_embeds])
+        return EmbedsPrompt(prompt_embeds=embeds)
+
+    async def generate(self, request: GenerateRequest,
+                       *image_embeds) -> AsyncIterator[GenerationDelta]:
+        """`image_embeds`: one [num_image_tokens, hidden] array per image, in prompt order (Ray
+        resolves the router's ObjectRefs, so they come straight from the encoder's output)."""
+        # Gathering and splicing embeddings is CPU work: off the loop that serves every stream.
+        prompt = await asyncio.to_thread(self.prompt, request, image_embeds) if image_embeds \
+            else self.prompt(request, image_embeds)
+        del image_embeds  # the prompt holds its own copy; let the object store free the arrays
         num_prompt_tokens = len(request.prompt_token_ids)
         finished = False
         try:
             async for output in self.engine.generate(
-                prompt, sampling_params(request.sampling), request.request_id
+                prompt, sampling_params(request.sampling), request.request_id,
+                priority=request.priority,
             ):
                 completion = output.outputs[0]
                 finished = output.finished

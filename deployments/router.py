@@ -1,8 +1,9 @@
 """Router deployment: the HTTP ingress with the OpenAI API.
 
-It validates and tokenizes each request, checks it against the model's context, forwards it to the
-LanguageModel deployment and streams the deltas back as SSE. Every rejection is an OpenAI-style
-error (`pipeline.errors.APIError`).
+It validates and tokenizes each request, checks it against the model's context, admits it through
+its lane (`pipeline.lanes`), forwards it to the LanguageModel deployment with the lane's priority
+and streams the deltas back as SSE. Every rejection is an OpenAI-style error
+(`pipeline.errors.APIError`); TTFT, inter-token latency and lane counts go to Ray metrics.
 
 Example (without Serve, with any object that has the LanguageModel's methods):
     >>> router = Router(RouterConfig(), lm_handle, model_path="/path/to/ckpt")
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -21,15 +24,18 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeline.auth import ApiKeys
-from pipeline.config import RouterConfig
-from pipeline.errors import APIError, from_validation_error
+from pipeline.config import RouterConfig, VisionConfig
+from pipeline.errors import APIError, bad_request, from_validation_error
+from pipeline.lanes import Lanes, Slot
 from pipeline.limits import check_chat_limits, check_completion_limits
+from pipeline.metrics import RequestTrace, RouterMetrics
 from pipeline.prompt import PromptBuilder, resolve_max_tokens
 from pipeline.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     Completion,
     GenerateRequest,
+    ImageInfo,
     ModelInfo,
     sampling_spec,
 )
@@ -44,14 +50,23 @@ HEALTH_TIMEOUT_S = 5.0
 
 
 class Router:
-    """`api_keys` is None when auth is off (the builder resolves keys from config and env)."""
+    """`api_keys` is None when auth is off (the builder resolves keys from config and env);
+    `vision` is None when the app has no ImagePreprocessor and VisionEncoder (their handles)."""
 
     def __init__(self, config: RouterConfig, language_model, model_path: str,
-                 api_keys: ApiKeys | None = None):
+                 api_keys: ApiKeys | None = None, vision: VisionConfig | None = None,
+                 preprocessor=None, encoder=None):
         self.limits = config.limits
         self.lm = language_model
         self.api_keys = api_keys
         self.prompts = PromptBuilder.from_pretrained(model_path)
+        self.images = None if vision is None else \
+            ImageFanIn(vision.image_placeholder, preprocessor, encoder)
+        self.image_placeholder_id = None if self.images is None else \
+            self.prompts.token_id(self.images.placeholder)
+        self.metrics = RouterMetrics()
+        self.lanes = Lanes(config.lanes, observer=self.metrics)
+        self.hint_header = config.lanes.hint_header
         self._info: ModelInfo | None = None
 
     def __serve_build_asgi_app__(self) -> FastAPI:
@@ -79,22 +94,48 @@ class Router:
         return parse_body(model, await read_body(request, self.limits.max_request_bytes))
 
     async def chat_completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
         body = await self.parse(request, ChatCompletionRequest)
         check_chat_limits(body, self.limits)
         info = await self.check_model(body.model)
-        prompt_ids = await self.tokenize(self.prompts.chat_prompt_ids, body,
-                                         sum(len(m.text()) for m in body.messages))
-        return await self.respond(body, prompt_ids, info, "messages", f"chatcmpl-{uuid.uuid4().hex}",
-                                  chat=True)
+        images = await self.start_images(body)
+        placeholder = "" if self.images is None else self.images.placeholder
+        try:
+            prompt_ids = await self.tokenize(
+                lambda b: self.prompts.chat_prompt_ids(b, placeholder, images.num_tokens()), body,
+                sum(len(m.text()) for m in body.messages))
+        except BaseException:
+            images.release()
+            raise
+        job = Job(f"chatcmpl-{uuid.uuid4().hex}", body, prompt_ids, info, "messages", chat=True,
+                  images=images)
+        try:
+            return await self.admit_and_respond(request, job, arrival)
+        finally:
+            images.release()
+
+    async def start_images(self, body: ChatCompletionRequest) -> EncodingImages:
+        """Preprocess every image part concurrently, then start their encodings (not awaited:
+        they run while the prompt is tokenized and the request waits for its lane)."""
+        parts = body.image_parts()
+        if not parts:
+            return EncodingImages([], [])
+        if self.images is None:
+            i, j, _ = parts[0]
+            raise bad_request(f"messages[{i}].content[{j}]: this server has no vision "
+                              "deployments; send text only", f"messages[{i}].content[{j}]",
+                              "images_not_supported")
+        return await self.images.start(parts)
 
     async def completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
         body = await self.parse(request, CompletionRequest)
         check_completion_limits(body, self.limits)
         info = await self.check_model(body.model)
         prompt_ids = await self.tokenize(lambda b: self.prompts.completion_prompt_ids(b, info), body,
                                          len(body.prompt))
-        return await self.respond(body, prompt_ids, info, "prompt", f"cmpl-{uuid.uuid4().hex}",
-                                  chat=False)
+        job = Job(f"cmpl-{uuid.uuid4().hex}", body, prompt_ids, info, "prompt", chat=False)
+        return await self.admit_and_respond(request, job, arrival)
 
     async def models(self, request: Request) -> dict:
         self.authenticate(request)
@@ -103,9 +144,18 @@ class Router:
                 "max_model_len": info.max_model_len}
         return {"object": "list", "data": [card]}
 
+    async def lane_stats(self) -> dict[str, dict[str, int]]:
+        """Per lane of this replica: requests queued, in flight, and admitted since start."""
+        return {name: {"queued": lane.queued, "in_flight": lane.in_flight,
+                       "admitted": lane.admitted}
+                for name, lane in self.lanes.lanes.items()}
+
     async def health(self) -> Response:
+        checks = [self.lm.check_health.remote()]
+        if self.images is not None:
+            checks += [self.images.preprocessor.ready.remote(), self.images.encoder.stats.remote()]
         try:
-            await asyncio.wait_for(self.lm.check_health.remote(), HEALTH_TIMEOUT_S)
+            await asyncio.wait_for(asyncio.gather(*checks), HEALTH_TIMEOUT_S)
         except Exception as exc:  # any failure means "not ready"; the reason goes to the body
             return JSONResponse({"status": "unavailable", "reason": type(exc).__name__}, 503,
                                 headers={"Retry-After": "5"})
@@ -123,24 +173,49 @@ class Router:
             return fn(body)
         return await asyncio.to_thread(fn, body)
 
-    async def respond(self, body, prompt_ids, info, prompt_param, request_id, chat) -> Response:
-        max_tokens = resolve_max_tokens(len(prompt_ids), body.requested_max_tokens(), info,
-                                        prompt_param, self.limits.default_max_tokens)
-        request = GenerateRequest(request_id, prompt_ids, sampling_spec(body, max_tokens))
-        fmt = ResponseFormat(request_id, info.name, chat=chat)
-        if not body.stream:
-            return JSONResponse(fmt.full(await self.complete(request)))
-        deltas = self.deltas(request)
+    async def admit_and_respond(self, request: Request, job: Job, arrival: float) -> Response:
+        """Everything is checked before the lane queue, so a queued request is one that will run.
+        The slot is held until the last token is sent (a stream's response releases it)."""
+        max_tokens = resolve_max_tokens(len(job.prompt_ids), job.body.requested_max_tokens(),
+                                        job.info, job.prompt_param, self.limits.default_max_tokens)
+        lane = self.lanes.classify(len(job.prompt_ids), request.headers.get(self.hint_header))
+        sampling = sampling_spec(job.body, max_tokens)
+        trace = RequestTrace(self.metrics, lane, arrival)
+        slot = await self.lanes.admit(lane)
+        try:
+            self.metrics.prompt(lane, len(job.prompt_ids))
+            generate = GenerateRequest(
+                job.request_id, job.prompt_ids, sampling, priority=slot.priority,
+                image_placeholder_id=self.image_placeholder_id if job.images.infos else None)
+            job.image_embeds = await job.images.embeddings()
+            if job.body.stream:
+                return await self.respond_stream(job, generate, slot, trace)
+            completion = await self.complete(generate, trace, job.image_embeds)
+        except BaseException:
+            slot.release()
+            trace.finish(ok=False)
+            raise
+        slot.release()
+        trace.finish(ok=True)
+        return JSONResponse(ResponseFormat(job.request_id, job.info.name, chat=job.chat)
+                            .full(completion))
+
+    async def respond_stream(self, job: Job, generate: GenerateRequest, slot: Slot,
+                             trace: RequestTrace) -> Response:
+        deltas = self.deltas(generate, trace, job.image_embeds)
         # Wait for the first delta before sending headers, so a failure before any token (LM
         # replica gone, engine error) is an HTTP status the client can act on, not a 200 stream.
         first = await anext(deltas, None)
-        encoder = StreamEncoder(fmt, body.include_usage())
-        return StreamingResponse(self.stream(first, deltas, encoder), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        encoder = StreamEncoder(ResponseFormat(job.request_id, job.info.name, chat=job.chat),
+                                job.body.include_usage())
+        return SlotStreamingResponse(slot, trace, self.stream(first, deltas, encoder),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
 
-    async def complete(self, request: GenerateRequest) -> Completion:
+    async def complete(self, request: GenerateRequest, trace: RequestTrace,
+                       image_embeds: list) -> Completion:
         completion = Completion()
-        async for delta in self.deltas(request):
+        async for delta in self.deltas(request, trace, image_embeds):
             completion.add(delta)
         return completion
 
@@ -159,15 +234,19 @@ class Router:
             await deltas.aclose()
         yield encoder.closing()
 
-    async def deltas(self, request: GenerateRequest):
-        """Stream from the LM; cancelling this (client disconnect) cancels the LM request."""
-        stream = self.lm.options(stream=True).generate.remote(request)
+    async def deltas(self, request: GenerateRequest, trace: RequestTrace, image_embeds: list):
+        """Stream from the LM; cancelling this (client disconnect) cancels the LM request.
+        `image_embeds` are ObjectRefs, passed at the top level so Ray hands the LM the arrays
+        straight from the object store."""
+        stream = self.lm.options(stream=True).generate.remote(request, *image_embeds)
         exhausted = False
         try:
             async for delta in stream:
+                trace.delta(delta.num_tokens)
                 yield delta
             exhausted = True
         except Exception as exc:
+            trace.failed = True
             raise lm_failure(exc, request.request_id) from exc
         finally:
             if not exhausted:
@@ -176,14 +255,125 @@ class Router:
                 stream.cancel()
 
 
+@dataclass
+class Job:
+    """A validated, tokenized request on its way to admission."""
+
+    request_id: str
+    body: ChatCompletionRequest | CompletionRequest
+    prompt_ids: list[int]
+    info: ModelInfo
+    prompt_param: str  # the field a context error names: "messages" or "prompt"
+    chat: bool
+    images: EncodingImages = field(default_factory=lambda: EncodingImages([], []))
+    image_embeds: list = field(default_factory=list)  # ObjectRefs, once encoded
+
+
+class SlotStreamingResponse(StreamingResponse):
+    """A stream that releases its lane slot when it ends, however it ends (done, error, client
+    gone): Starlette always awaits the response object the endpoint returned."""
+
+    def __init__(self, slot: Slot, trace: RequestTrace, content, **kwargs):
+        super().__init__(content, **kwargs)
+        self.slot = slot
+        self.trace = trace
+
+    async def __call__(self, scope, receive, send) -> None:
+        ok = False
+        try:
+            await super().__call__(scope, receive, send)
+            ok = True
+        finally:
+            self.slot.release()
+            self.trace.finish(ok=ok)
+
+
+class ImageFanIn:
+    """The router's side of the image deployments: preprocess, then encode, all concurrently."""
+
+    def __init__(self, placeholder: str, preprocessor, encoder):
+        self.placeholder = placeholder
+        self.preprocessor = preprocessor
+        self.encoder = encoder
+
+    async def start(self, parts: list[tuple[int, int, str]]) -> EncodingImages:
+        infos = await asyncio.gather(*(self.preprocess(i, j, url) for i, j, url in parts))
+        return EncodingImages(list(infos), [self.encoder.encode.remote(info) for info in infos])
+
+    async def preprocess(self, i: int, j: int, url: str) -> ImageInfo:
+        try:
+            return await self.preprocessor.preprocess.remote(url)
+        except Exception as exc:
+            raise image_failure(exc, f"messages[{i}].content[{j}]", "image preprocessor") from exc
+
+
+@dataclass
+class EncodingImages:
+    """A request's images: their layout (known) and their encodings (in flight)."""
+
+    infos: list[ImageInfo]
+    responses: list  # DeploymentResponse per image, from the VisionEncoder
+
+    def num_tokens(self) -> list[int]:
+        return [info.num_image_tokens for info in self.infos]
+
+    def release(self) -> None:
+        """Cancel encodings still running (a refused or finished request) and drop the refs,
+        so the object store can free pixels and embeddings while a long stream goes on."""
+        for response in self.responses:
+            response.cancel()
+        self.infos, self.responses = [], []
+
+    async def embeddings(self) -> list:
+        """ObjectRefs of the encoder outputs, once all exist (a failed encoding raises here)."""
+        refs = []
+        for k, response in enumerate(self.responses):
+            try:
+                ref = await response._to_object_ref()
+                await ref  # raises if the encoding failed (numpy: a zero-copy read)
+            except Exception as exc:
+                raise image_failure(exc, f"image {k}", "vision encoder") from exc
+            refs.append(ref)
+        return refs
+
+
+def retryable(exc: BaseException) -> bool:
+    """Failures of a replica or of Serve (not of the request): the client should retry."""
+    from ray.exceptions import (
+        ActorDiedError,
+        ActorUnavailableError,
+        ObjectLostError,
+        OwnerDiedError,
+        RayActorError,
+    )
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+    return isinstance(exc, (RayActorError, ActorDiedError, ActorUnavailableError, OwnerDiedError,
+                            ObjectLostError, BackPressureError, DeploymentUnavailableError))
+
+
+def image_failure(exc: Exception, where: str, stage: str) -> APIError:
+    """A bad image is a 400 naming its message and part; a lost replica is a 503 to retry."""
+    from pipeline.vision.errors import ImageError
+
+    cause = getattr(exc, "cause", exc)
+    if isinstance(cause, ImageError):
+        return APIError(400, f"{where}: {cause.reason}", param=where, code=cause.code)
+    logger.warning("%s failed for %s: %r", stage, where, exc)
+    if retryable(exc):
+        return APIError(503, f"the {stage} is unavailable; retry the request",
+                        type="service_unavailable", code="replica_unavailable",
+                        headers={"Retry-After": "2"})
+    return APIError(500, f"{where}: the {stage} failed ({type(cause).__name__})",
+                    type="internal_error", code="image_failed")
+
+
 def lm_failure(exc: Exception, request_id: str) -> APIError:
     """Map a failure of the LM call to an API error (503 when the replica or engine is gone)."""
     if isinstance(exc, APIError):
         return exc
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-
     logger.warning("request %s failed in the language model: %r", request_id, exc)
-    if isinstance(exc, (RayActorError, ActorDiedError, ActorUnavailableError)):
+    if retryable(exc):
         return APIError(503, "the language model replica is unavailable; retry the request",
                         type="service_unavailable", code="replica_unavailable",
                         headers={"Retry-After": "2"})

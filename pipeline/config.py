@@ -35,19 +35,52 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class AutoscalingOptions(StrictModel):
+    """Ray Serve autoscaling of one deployment (replaces `num_replicas` when set)."""
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: PositiveInt = 1
+    target_ongoing_requests: PositiveFloat = 2.0
+    upscale_delay_s: float = Field(30.0, ge=0)
+    downscale_delay_s: float = Field(600.0, ge=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingOptions:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) is over max_replicas "
+                             f"({self.max_replicas})")
+        return self
+
+
 class DeploymentOptions(StrictModel):
     """Ray Serve options of one deployment (the subset moonserve relies on)."""
 
     num_replicas: PositiveInt = 1
+    autoscaling: AutoscalingOptions | None = None
     max_ongoing_requests: PositiveInt = 64
     num_cpus: float = Field(0.0, ge=0)
     health_check_period_s: PositiveFloat = 5.0
     health_check_timeout_s: PositiveFloat = 30.0
     graceful_shutdown_timeout_s: PositiveFloat = 20.0
 
+    @model_validator(mode="after")
+    def _one_way_to_size(self) -> DeploymentOptions:
+        if self.autoscaling is not None and "num_replicas" in self.model_fields_set:
+            raise ValueError("set num_replicas or autoscaling, not both")
+        return self
+
+    def max_replicas(self) -> int:
+        return self.num_replicas if self.autoscaling is None else self.autoscaling.max_replicas
+
+    def min_replicas(self) -> int:
+        return self.num_replicas if self.autoscaling is None else \
+            max(1, self.autoscaling.min_replicas)
+
     def serve_options(self) -> dict:
+        replicas = {"num_replicas": self.num_replicas} if self.autoscaling is None else \
+            {"autoscaling_config": self.autoscaling.model_dump()}
         return {
-            "num_replicas": self.num_replicas,
+            **replicas,
             "max_ongoing_requests": self.max_ongoing_requests,
             "health_check_period_s": self.health_check_period_s,
             "health_check_timeout_s": self.health_check_timeout_s,
@@ -66,14 +99,26 @@ class EngineConfig(StrictModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: PositiveInt | None = None
     tensor_parallel_size: PositiveInt = 1
+    # Decode context parallelism: the KV cache of one long request spread over this many TP ranks
+    # (must divide tensor_parallel_size); what lets one 1M-token request fit a node.
+    decode_context_parallel_size: PositiveInt = 1
+    # "fp8" halves the KV cache (production); "auto" keeps the model dtype.
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
     max_num_seqs: PositiveInt = 64
     max_num_batched_tokens: PositiveInt | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    # "priority": lower `priority` first (the router's lanes set it); "fcfs": arrival order.
+    scheduling_policy: Literal["fcfs", "priority"] = "priority"
+    # Chunked prefill: at most this many prompt tokens of one request per engine step when other
+    # requests are waiting (0: no cap), so a long prefill cannot hold interactive decode back.
+    long_prefill_token_threshold: int = Field(0, ge=0)
     seed: int = 0
     kv_cache_memory_bytes: PositiveInt | None = None
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     trust_remote_code: bool = False
+    # Multimodal requests reach vLLM as prompt embeddings (needed when `vision` is on).
+    enable_prompt_embeds: bool = False
 
     def model_name(self) -> str:
         if self.served_model_name:
@@ -105,6 +150,10 @@ class LanguageModelConfig(StrictModel):
     @model_validator(mode="after")
     def _bundles_cover_tensor_parallel(self) -> LanguageModelConfig:
         tp = self.engine.tensor_parallel_size
+        if tp % self.engine.decode_context_parallel_size:
+            raise ValueError(f"engine.decode_context_parallel_size "
+                             f"({self.engine.decode_context_parallel_size}) must divide "
+                             f"engine.tensor_parallel_size ({tp})")
         if tp > 1 and len(self.placement.bundles) < tp:
             raise ValueError(
                 f"placement.bundles has {len(self.placement.bundles)} bundle(s) but "
@@ -135,12 +184,151 @@ class LimitsConfig(StrictModel):
     max_tokens: PositiveInt | None = None
     # max_tokens when a request leaves it unset (None: up to the context limit, as OpenAI does).
     default_max_tokens: PositiveInt | None = None
+    # Image parts in one request (each is preprocessed and encoded).
+    max_images: int = Field(8, ge=0)
+
+    @model_validator(mode="after")
+    def _default_within_cap(self) -> LimitsConfig:
+        if None not in (self.max_tokens, self.default_max_tokens) and \
+                self.default_max_tokens > self.max_tokens:
+            raise ValueError(f"default_max_tokens ({self.default_max_tokens}) is over max_tokens "
+                             f"({self.max_tokens})")
+        return self
+
+
+class LaneLimits(StrictModel):
+    """One lane's admission limits toward the LanguageModel (per Router replica)."""
+
+    # Requests of this lane generating at once; the rest wait in the lane's queue.
+    max_in_flight: PositiveInt
+    # Requests waiting for a slot; one more is rejected at once (429/503 + Retry-After).
+    max_queue: int = Field(ge=0)
+    # A request still queued after this long is answered with 503 + Retry-After.
+    queue_timeout_s: PositiveFloat = 60.0
+    # vLLM request priority (lower is scheduled first; needs engine.scheduling_policy: priority).
+    priority: int = 0
+
+
+class LanesConfig(StrictModel):
+    """Admission at the Router: `interactive` and `long_context` lanes, or one FIFO lane.
+
+    A request whose prompt (image tokens included) has at least `long_context_threshold_tokens`
+    tokens goes to `long_context`, any other to `interactive`. The header `hint_header` may move a
+    short request to `long_context` (a batch job that should not compete with chat); asking for
+    `interactive` with a long prompt is a 400. With `enabled: false` every request goes through
+    the single `fifo` lane in arrival order (the benchmark's baseline).
+    """
+
+    enabled: bool = True
+    long_context_threshold_tokens: PositiveInt = 2048
+    hint_header: str = "x-moonserve-lane"
+    # Status of a rejection when a lane's queue is full: 429 (client backs off) or 503.
+    reject_status: Literal[429, 503] = 429
+    retry_after_s: PositiveInt = 1
+    interactive: LaneLimits = LaneLimits(max_in_flight=48, max_queue=128, queue_timeout_s=30.0,
+                                         priority=0)
+    long_context: LaneLimits = LaneLimits(max_in_flight=8, max_queue=32, queue_timeout_s=300.0,
+                                          priority=10)
+    fifo: LaneLimits = LaneLimits(max_in_flight=56, max_queue=160, queue_timeout_s=300.0)
+
+    def active(self) -> dict[str, LaneLimits]:
+        """The lanes requests are admitted through, by name."""
+        if not self.enabled:
+            return {"fifo": self.fifo}
+        return {"interactive": self.interactive, "long_context": self.long_context}
+
+    def capacity(self) -> int:
+        """Requests one Router replica holds at most (in flight plus queued)."""
+        return sum(lane.max_in_flight + lane.max_queue for lane in self.active().values())
+
+    def max_in_flight(self) -> int:
+        return sum(lane.max_in_flight for lane in self.active().values())
+
+
+class RemoteImagesConfig(StrictModel):
+    """`http(s)` image URLs: off unless `allowed_hosts` names hosts (`*.example.com` for
+    subdomains). Resolved addresses in loopback, private, link-local, multicast and reserved ranges
+    are refused (also after each redirect) unless inside `allowed_networks` (CIDRs)."""
+
+    allowed_hosts: list[str] = Field(default_factory=list)
+    allowed_networks: list[str] = Field(default_factory=list)
+    connect_timeout_s: PositiveFloat = 5.0
+    read_timeout_s: PositiveFloat = 10.0
+    total_timeout_s: PositiveFloat = 30.0
+    max_redirects: int = Field(3, ge=0)
+
+
+class ImagePreprocessorConfig(StrictModel):
+    """ImagePreprocessor deployment: fetch, decode, validate, NaViT resize, normalize, patchify.
+
+    Layout fields mirror the checkpoint's `preprocessor_config.json` (`media_proc_cfg`); the
+    defaults are the public Kimi-K2.5 values (pipeline/vision/preprocess.py).
+    """
+
+    patch_size: PositiveInt = 14
+    merge_kernel: tuple[PositiveInt, PositiveInt] = (2, 2)
+    in_patch_limit: PositiveInt = 16384
+    patch_limit_on_one_side: PositiveInt = 512
+    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    max_image_bytes: PositiveInt = 20 * 1024 * 1024
+    max_image_pixels: PositiveInt = 16_000_000
+    background_rgb: tuple[int, int, int] = (255, 255, 255)
+    remote: RemoteImagesConfig = RemoteImagesConfig()
+    # Images decoded together per replica (serve.batch); a batch runs in one worker thread.
+    max_batch_size: PositiveInt = 8
+    batch_wait_timeout_s: float = Field(0.002, ge=0)
+    deployment: DeploymentOptions = DeploymentOptions(max_ongoing_requests=32)
+
+
+class VisionEncoderConfig(StrictModel):
+    """VisionEncoder deployment: MoonViT-V2 over packed batches, with an embedding cache.
+
+    `model: embedded` is a small seeded random MoonViT built by `moonserve prepare` (it projects
+    to the embedded LM's hidden size; its weights are random, so the embedded model cannot see).
+    """
+
+    model: str = EMBEDDED_MODEL
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    attention_backend: Literal["auto", "sdpa", "triton", "naive"] = "auto"
+    # Images packed into one forward pass (serve.batch across concurrent requests).
+    max_batch_size: PositiveInt = 8
+    batch_wait_timeout_s: float = Field(0.005, ge=0)
+    # Encoder outputs kept per replica, keyed by the SHA-256 of the image bytes (LRU by bytes).
+    cache_bytes: int = Field(256 * 1024 * 1024, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    deployment: DeploymentOptions = DeploymentOptions(max_ongoing_requests=32)
+
+
+class VisionConfig(StrictModel):
+    """Images in chat messages: Router -> ImagePreprocessor -> VisionEncoder -> LanguageModel.
+
+    `image_placeholder` is the token the prompt carries once per image, expanded by the router to
+    one position per image token and replaced by the encoder's embeddings in the LM (embedded
+    SmolLM2: its unused special token `<empty_output>`; Kimi K3: `<|media_pad|>`).
+    """
+
+    image_placeholder: str = "<empty_output>"
+    preprocessor: ImagePreprocessorConfig = ImagePreprocessorConfig()
+    encoder: VisionEncoderConfig = VisionEncoderConfig()
 
 
 class RouterConfig(StrictModel):
     deployment: DeploymentOptions = DeploymentOptions(max_ongoing_requests=256)
     auth: AuthConfig = AuthConfig()
     limits: LimitsConfig = LimitsConfig()
+    lanes: LanesConfig = LanesConfig()
+
+    @model_validator(mode="after")
+    def _replica_holds_its_lanes(self) -> RouterConfig:
+        # Otherwise Serve queues requests in front of the replica, where lanes cannot see them.
+        need = self.lanes.capacity()
+        if self.deployment.max_ongoing_requests < need:
+            raise ValueError(
+                f"deployment.max_ongoing_requests ({self.deployment.max_ongoing_requests}) is below "
+                f"what the lanes hold (in flight + queued = {need}); raise it or shrink the lanes"
+            )
+        return self
 
 
 class AppConfig(StrictModel):
@@ -148,6 +336,29 @@ class AppConfig(StrictModel):
 
     router: RouterConfig = RouterConfig()
     language_model: LanguageModelConfig = LanguageModelConfig()
+    # None: text only (image parts are a 400).
+    vision: VisionConfig | None = None
+
+    @model_validator(mode="after")
+    def _language_model_takes_admitted(self) -> AppConfig:
+        # Admitted requests must reach the engine at once; health checks need a little room too.
+        lm = self.language_model.deployment
+        admitted = self.router.lanes.max_in_flight() * self.router.deployment.max_replicas()
+        if lm.max_ongoing_requests * lm.min_replicas() < admitted + 1:
+            raise ValueError(
+                f"language_model.deployment.max_ongoing_requests x (min) replicas "
+                f"({lm.max_ongoing_requests} x {lm.min_replicas()}) must exceed the requests the "
+                f"router lanes admit ({admitted}); raise it or lower router.lanes.*.max_in_flight"
+            )
+        uses_priority = self.router.lanes.enabled and len(
+            {lane.priority for lane in self.router.lanes.active().values()}) > 1
+        if uses_priority and self.language_model.engine.scheduling_policy != "priority":
+            raise ValueError("router.lanes give the lanes different priorities but "
+                             "language_model.engine.scheduling_policy is not 'priority'")
+        if self.vision is not None and not self.language_model.engine.enable_prompt_embeds:
+            raise ValueError("vision is configured but language_model.engine.enable_prompt_embeds "
+                             "is false: image requests reach vLLM as prompt embeddings")
+        return self
 
 
 def load_serve_config(path: str | Path) -> dict:

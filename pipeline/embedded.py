@@ -72,6 +72,18 @@ def prepare_language_model(home: Path | None = None, progress: bool = True) -> P
     return target
 
 
+def prepare_vision_encoder(lm_path: Path | str | None = None, home: Path | None = None) -> Path:
+    """The embedded MoonViT (seeded random weights) projecting to the LM's hidden size; idempotent.
+
+    Its weights are random: image requests take the real path, but the embedded model cannot see.
+    """
+    from pipeline.vision.embedded_encoder import write_embedded_encoder
+
+    lm_config = json.loads((Path(lm_path or embedded_lm_dir(home)) / "config.json").read_text())
+    hidden = lm_config.get("text_config", lm_config)["hidden_size"]
+    return write_embedded_encoder(home or moonserve_home(), text_hidden_size=hidden)
+
+
 def build_checkpoint(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
     """Dequantize the GGUF with transformers and write a float32 HF checkpoint into `out_dir`."""
     import torch

@@ -16,6 +16,9 @@ def check_chat_limits(request: ChatCompletionRequest, limits: LimitsConfig) -> N
             raise bad_request(f"messages[{i}].content: {n} characters exceed the limit of "
                               f"{limits.max_message_chars} per message", f"messages[{i}].content",
                               "message_too_long")
+    if (n := len(request.image_parts())) > limits.max_images:
+        raise bad_request(f"messages: {n} images exceed the limit of {limits.max_images} per "
+                          "request", "messages", "too_many_images")
     param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
     check_max_tokens(request.requested_max_tokens(), param, limits)
 

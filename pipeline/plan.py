@@ -23,7 +23,10 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from pipeline.checkpoint import CheckpointReport, GroupSummary
 
 GB = 1e9
 
@@ -40,7 +43,7 @@ DTYPE_BYTES = {
 # vision: loaded with the engine, not part of the language model's totals, not read in decode.
 Role = Literal["routed_expert", "dense", "embedding_lookup", "vision"]
 
-SOURCE_PREFIXES = ("brief", "vendor spec", "assumption:", "derived:", "input:")
+SOURCE_PREFIXES = ("brief", "vendor spec", "assumption:", "derived:", "input:", "measured:")
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,8 @@ class Assumption:
     """One input number and where it comes from.
 
     `source` starts with one of SOURCE_PREFIXES: "brief" (the product brief), "vendor spec",
-    "assumption: <what> because <why>", "derived: <formula>" or "input: <who sets it>".
+    "assumption: <what> because <why>", "derived: <formula>", "input: <who sets it>" or
+    "measured: <which checkpoint>" (`moonserve plan --checkpoint`).
     """
 
     name: str
@@ -59,16 +63,25 @@ class Assumption:
 
 @dataclass(frozen=True)
 class ParamGroup:
-    """Weights of one component, stored in one dtype."""
+    """Weights of one component, stored in one dtype.
+
+    Nominal groups derive bytes from `dtype`; measured ones (`with_checkpoint`) carry the bytes
+    check-checkpoint read off the safetensors headers, per GPU at the TP size they were measured at.
+    """
 
     name: str
     num_params: int
-    dtype: str  # key of DTYPE_BYTES
+    dtype: str  # key of DTYPE_BYTES; a measured group's storage format
     role: Role
     tp_sharded: bool  # False: every TP rank holds a full copy
+    measured_bytes: float | None = None
+    measured_bytes_per_gpu: float | None = None
+    measured_tensor_parallel_size: int | None = None
 
     @property
     def num_bytes(self) -> float:
+        if self.measured_bytes is not None:
+            return self.measured_bytes
         return self.num_params * DTYPE_BYTES[self.dtype]
 
 
@@ -186,6 +199,12 @@ def weight_shares(model: ModelSpec, tensor_parallel_size: int) -> tuple[WeightSh
 
 def _weight_share(group: ParamGroup, tensor_parallel_size: int) -> WeightShare:
     per_gpu = group.num_bytes / tensor_parallel_size if group.tp_sharded else group.num_bytes
+    if group.measured_bytes_per_gpu is not None:
+        if group.measured_tensor_parallel_size != tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: weights of "
+                             f"{group.name} were measured at TP="
+                             f"{group.measured_tensor_parallel_size}; measure again at this TP")
+        per_gpu = group.measured_bytes_per_gpu  # vocab and expert padding included
     return WeightShare(group.name, group.dtype, group.role, group.tp_sharded, group.num_params,
                        group.num_bytes, per_gpu)
 
@@ -400,6 +419,61 @@ def _routing_assumption(model: ModelSpec, batch_size: int) -> Assumption:
                       "experts per MoE layer",
                       "assumption: uniform independent routing, E*(1-(1-k/E)^B), because the "
                       "real routing skew is unknown (skew touches fewer experts: a higher bound)")
+
+
+# ---- measured weights (moonserve plan --checkpoint) --------------------------------------------
+
+_MEASURED_ROLES: dict[str, Role] = {"routed_experts": "routed_expert",
+                                    "embed_tokens": "embedding_lookup", "vision": "vision"}
+
+
+def with_checkpoint(model: ModelSpec, report: CheckpointReport) -> ModelSpec:
+    """`model` with the weights check-checkpoint measured and its config's layer/expert counts.
+
+    The weight groups become the report's (component, format, sharding) groups, with their bytes
+    as stored and per GPU at the report's TP (MTP layers left out: vLLM's main model skips them).
+    KV/state element sizes, the runtime reserve and the context length stay the model's. Raises
+    ValueError unless the report is clean and came with a Kimi K3 config.json.
+    """
+    if not report.ok or report.model is None or report.bytes_per_rank is None:
+        raise ValueError(f"{report.path}: needs a clean check with a Kimi K3 config.json; run "
+                         f"`moonserve check-checkpoint {report.path}`")
+    facts = dataclasses.asdict(report.model)
+    if not facts["num_experts"]:
+        raise ValueError(f"{report.path}: config.json has no routed experts; the planner models "
+                         "a MoE model")
+    groups = tuple(_measured_group(g, report.tensor_parallel_size) for g in report.groups
+                   if g.sharding != "not loaded")
+    return dataclasses.replace(model, name=f"{model.name} as measured in {report.path}",
+                               param_groups=groups,
+                               assumptions=_measured_assumptions(model, report, facts), **facts)
+
+
+def _measured_group(g: GroupSummary, tensor_parallel_size: int) -> ParamGroup:
+    role = _MEASURED_ROLES.get(g.component, "dense")
+    return ParamGroup(g.component, g.num_params, g.format, role, g.sharding == "TP",
+                      float(g.num_bytes), g.bytes_per_rank, tensor_parallel_size)
+
+
+def _nominal_weight_inputs(model: ModelSpec) -> set[str]:
+    """Assumptions that only fed the nominal parameter counts."""
+    return ({a.name for a in _kimi_k3_geometry()} | {f"{g.name}_params" for g in model.param_groups}
+            | {"total_params", "activated_params", "vision_encoder_params", "mxfp4_bytes_per_param",
+               "fp8_bytes_per_param", "bf16_bytes_per_param"})
+
+
+def _measured_assumptions(model: ModelSpec, report: CheckpointReport,
+                          facts: dict[str, int]) -> tuple[Assumption, ...]:
+    superseded = _nominal_weight_inputs(model) | set(facts)
+    units = {a.name: a.unit for a in model.assumptions}
+    config_source = f"measured: {report.path} config.json (check-checkpoint)"
+    measured = [Assumption(n, v, units.get(n, ""), config_source) for n, v in facts.items()]
+    measured.append(Assumption(
+        "checkpoint_weight_bytes_per_gpu", report.bytes_per_rank, "bytes",
+        f"measured: {report.path} safetensors headers at TP={report.tensor_parallel_size}, "
+        "vLLM's Kimi K3 TP rules (pipeline/kimi_k3_layout.py); bytes as stored, MTP layers "
+        "excluded, so bf16 weights the engine re-quantizes to FP8 at load would take less"))
+    return tuple(a for a in model.assumptions if a.name not in superseded) + tuple(measured)
 
 
 # ---- the brief ---------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ any engine time: context-length errors are 400s at the edge, and lane admission 
 from __future__ import annotations
 
 from pipeline.errors import bad_request
+from pipeline.multimodal import expand_placeholders
 from pipeline.protocol import ChatCompletionRequest, CompletionRequest, ModelInfo
 
 
@@ -27,13 +28,31 @@ class PromptBuilder:
 
         return cls(AutoTokenizer.from_pretrained(path))
 
-    def chat_prompt_ids(self, request: ChatCompletionRequest) -> list[int]:
-        conversation = [{"role": m.role, "content": m.text()} for m in request.messages]
+    def token_id(self, token: str) -> int:
+        """The id of a single token of the vocabulary (e.g. the image placeholder)."""
+        ids = self.tokenizer.encode(token, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ValueError(f"{token!r} is not one token of this tokenizer (it encodes to {ids}); "
+                             "set vision.image_placeholder to one of its special tokens")
+        return ids[0]
+
+    def chat_prompt_ids(self, request: ChatCompletionRequest, image_placeholder: str = "",
+                        image_tokens: list[int] | None = None) -> list[int]:
+        """Prompt ids; with images, each image's placeholder expanded to its token count."""
+        conversation = [{"role": m.role, "content": m.render(image_placeholder)}
+                        for m in request.messages]
         text = self.tokenizer.apply_chat_template(
             conversation, add_generation_prompt=True, tokenize=False
         )
         # The template writes the special tokens as text; don't add another BOS on top.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not image_tokens:
+            return ids
+        try:
+            return expand_placeholders(ids, self.token_id(image_placeholder), image_tokens)
+        except ValueError:
+            raise bad_request(f"messages: the text contains the reserved image token "
+                              f"{image_placeholder!r}; remove it", "messages") from None
 
     def completion_prompt_ids(self, request: CompletionRequest, info: ModelInfo) -> list[int]:
         if isinstance(request.prompt, str):

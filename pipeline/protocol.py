@@ -32,7 +32,17 @@ class TextPart(RequestModel):
     text: StrictStr
 
 
-ContentPart = Annotated[TextPart, Field(discriminator="type")]
+class ImageURL(RequestModel):
+    url: StrictStr
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(RequestModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
 class ChatMessage(RequestModel):
@@ -41,9 +51,24 @@ class ChatMessage(RequestModel):
     name: StrictStr | None = None
 
     def text(self) -> str:
+        """The text parts (what the character limits count)."""
         if isinstance(self.content, str):
             return self.content
-        return "\n".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    def render(self, image_placeholder: str) -> str:
+        """The content as the template sees it: parts in order, one placeholder per image."""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text if isinstance(part, TextPart) else image_placeholder
+                         for part in self.content)
+
+    def image_urls(self) -> list[tuple[int, str]]:
+        """(part index, url) of each image part."""
+        if isinstance(self.content, str):
+            return []
+        return [(j, part.image_url.url) for j, part in enumerate(self.content)
+                if isinstance(part, ImagePart)]
 
 
 class StreamOptions(RequestModel):
@@ -117,12 +142,20 @@ class ChatCompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _check_chat(self):
         reject_unsupported(self, UNSUPPORTED_CHAT_FIELDS)
+        for i, j, _ in self.image_parts():
+            if self.messages[i].role != "user":
+                raise bad_request(f"messages[{i}].content[{j}]: image parts are only allowed in "
+                                  "user messages", f"messages[{i}].content[{j}]")
         if self.response_format not in (None, {"type": "text"}):
             raise bad_request(
                 "response_format: only {\"type\": \"text\"} is supported", "response_format",
                 "unsupported_parameter",
             )
         return self
+
+    def image_parts(self) -> list[tuple[int, int, str]]:
+        """(message index, part index, url) of every image part, in prompt order."""
+        return [(i, j, url) for i, m in enumerate(self.messages) for j, url in m.image_urls()]
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -168,6 +201,25 @@ class GenerateRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingSpec
+    # vLLM scheduling priority, lower first (from the request's lane).
+    priority: int = 0
+    # Set for multimodal requests: the token whose runs in `prompt_token_ids` are image positions.
+    image_placeholder_id: int | None = None
+
+
+@dataclass(frozen=True)
+class ImageInfo:
+    """ImagePreprocessor -> Router -> VisionEncoder: one preprocessed image.
+
+    `pixel_values` is a Ray ObjectRef to a float32 array [num_patches, 3, 14, 14], so the pixels go
+    from the preprocessor to the encoder through the object store without passing the router.
+    """
+
+    content_hash: str  # SHA-256 of the image bytes (the encoder cache key)
+    grid_thw: tuple[int, int, int]  # in patches
+    num_image_tokens: int  # after the 2x2 merge
+    image_size: tuple[int, int]  # original (width, height)
+    pixel_values: Any
 
 
 @dataclass

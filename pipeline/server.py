@@ -20,6 +20,8 @@ class ServeOptions:
     host: str | None = None
     port: int | None = None
     dashboard_port: int = 8265
+    # Port of the local Ray node's Prometheus endpoint (None: Ray picks a free one).
+    metrics_export_port: int | None = None
 
 
 @dataclass(frozen=True)
@@ -50,15 +52,27 @@ def start_ray(options: ServeOptions) -> None:
     if options.address:
         ray.init(address=options.address)
         return
-    ray.init(include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=options.dashboard_port)
+    ray.init(include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=options.dashboard_port,
+             _metrics_export_port=options.metrics_export_port)
+
+
+def metrics_url() -> str | None:
+    """The Prometheus endpoint of this driver's Ray node (moonserve's and Ray's own metrics)."""
+    import ray
+
+    node = next((n for n in ray.nodes() if n.get("Alive") and n.get("MetricsExportPort")), None)
+    return None if node is None else \
+        f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
 
 
 def prepare_embedded(apps: list[AppSpec]) -> None:
     """Build the embedded checkpoint before Ray starts, so its progress bar is readable."""
     if any(a.config.language_model.engine.model == EMBEDDED_MODEL for a in apps):
-        from pipeline.embedded import prepare_language_model
+        from pipeline.embedded import prepare_language_model, prepare_vision_encoder
 
-        prepare_language_model()
+        lm_path = prepare_language_model()
+        if any(a.config.vision and a.config.vision.encoder.model == EMBEDDED_MODEL for a in apps):
+            prepare_vision_encoder(lm_path)
 
 
 def deploy(options: ServeOptions, http: dict, apps: list[AppSpec]) -> tuple[str, int]:
@@ -116,6 +130,7 @@ def run_until_signalled(options: ServeOptions) -> int:
         if not options.address:
             print(f"moonserve: Ray dashboard at http://127.0.0.1:{options.dashboard_port}",
                   flush=True)
+        print(f"moonserve: Prometheus metrics at {metrics_url()}", flush=True)
         while True:
             signal.pause()
     except ShutdownRequested as request:

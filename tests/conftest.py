@@ -10,11 +10,13 @@ from __future__ import annotations
 import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import openai
 import psutil
 import pytest
+import yaml
 
 from pipeline.config import DEFAULT_CONFIG
 from pipeline.launch import ServerProcess
@@ -24,6 +26,7 @@ LOCAL_CONFIG = DEFAULT_CONFIG
 # Ports away from the defaults, so a developer's own `moonserve serve` does not collide.
 HTTP_PORT = int(os.environ.get("MOONSERVE_TEST_PORT", "8123"))
 DASHBOARD_PORT = HTTP_PORT + 150
+METRICS_PORT = HTTP_PORT + 160
 MODEL = "moonserve-embedded"
 
 
@@ -53,13 +56,34 @@ class RunningServer:
     def lm_stats(self) -> dict:
         return self.lm_handle().stats.remote().result()
 
+    @contextmanager
+    def router_app(self, name: str, **router_args):
+        """A second Router app at `/<name>` with `router` args overridden, bound to this server's
+        LanguageModel (no second engine). Yields its base URL."""
+        from ray import serve
+
+        from deployments.builder import bind_router, resolve_model_path
+        from pipeline.config import AppConfig
+
+        args = yaml.safe_load(LOCAL_CONFIG.read_text())["applications"][0]["args"]
+        args["router"].update(router_args)
+        config = AppConfig.model_validate(args)
+        lm_handle = self.lm_handle()
+        app = bind_router(config.router, lm_handle, resolve_model_path(config.language_model))
+        serve.run(app, name=name, route_prefix=f"/{name}")
+        try:
+            yield f"{self.base_url}/{name}"
+        finally:
+            serve.delete(name)
+
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory) -> RunningServer:
     log = tmp_path_factory.mktemp("server") / "moonserve-serve.log"
     process = ServerProcess(
         [sys.executable, "-m", "pipeline.cli", "serve", "--config", str(LOCAL_CONFIG),
-         "--port", str(HTTP_PORT), "--dashboard-port", str(DASHBOARD_PORT)],
+         "--port", str(HTTP_PORT), "--dashboard-port", str(DASHBOARD_PORT),
+         "--metrics-export-port", str(METRICS_PORT)],
         f"http://127.0.0.1:{HTTP_PORT}/health", log_path=log, start_timeout_s=420,
     )
     process.start()

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import httpx
 import pytest
-import yaml
 
 from deployments.builder import resolve_api_keys
 from pipeline.auth import ApiKeys
 from pipeline.config import RouterConfig
 from pipeline.errors import APIError
-from tests.conftest import LOCAL_CONFIG, MODEL
+from tests.conftest import MODEL
 
 KEY = "sk-test-9f2c1e"
 
@@ -55,22 +54,9 @@ SECURED_LIMITS = {"max_request_bytes": 4096, "max_messages": 3, "max_message_cha
 
 @pytest.fixture(scope="module")
 def secured(server):
-    from ray import serve
-
-    from deployments.builder import bind_router, resolve_model_path
-    from pipeline.config import AppConfig
-
-    lm_handle = server.lm_handle()
-    args = yaml.safe_load(LOCAL_CONFIG.read_text())["applications"][0]["args"]
-    args["router"]["auth"] = {"enabled": True, "api_keys": [KEY]}
-    args["router"]["limits"] = SECURED_LIMITS
-    config = AppConfig.model_validate(args)
-    app = bind_router(config.router, lm_handle, resolve_model_path(config.language_model))
-    serve.run(app, name="secured", route_prefix="/secured")
-    try:
-        yield f"{server.base_url}/secured"
-    finally:
-        serve.delete("secured")
+    with server.router_app("secured", auth={"enabled": True, "api_keys": [KEY]},
+                           limits=SECURED_LIMITS) as url:
+        yield url
 
 
 def post(url: str, body: dict, key: str | None = KEY) -> httpx.Response:

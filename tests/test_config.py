@@ -102,3 +102,27 @@ def test_serve_run_path_builds_the_app_from_the_yaml():
     bad = {**app_entry["args"], "routr": {}}
     with pytest.raises(ValidationError, match="routr"):
         call_user_app_builder_with_args_if_necessary(builder, bad)
+
+
+@pytest.mark.parametrize("args, needle", [
+    ({"router": {"deployment": {"max_ongoing_requests": 50}}},
+     "max_ongoing_requests (50) is below what the lanes hold (in flight + queued = 216)"),
+    ({"language_model": {"deployment": {"max_ongoing_requests": 20}}},
+     "must exceed the requests the router lanes admit (56)"),
+    ({"language_model": {"engine": {"scheduling_policy": "fcfs"}}},
+     "scheduling_policy is not 'priority'"),
+    ({"router": {"limits": {"max_tokens": 8, "default_max_tokens": 16}}},
+     "default_max_tokens (16) is over max_tokens (8)"),
+    ({"router": {"lanes": {"interactive": {"max_in_flight": 0, "max_queue": 1}}}},
+     "router.lanes.interactive.max_in_flight"),
+])
+def test_inconsistent_lane_and_limit_settings_fail_at_load(args, needle):
+    with pytest.raises(ValidationError) as err:
+        AppConfig.model_validate(args)
+    assert needle in str(err.value)
+
+
+def test_lanes_off_needs_no_priority_scheduling():
+    cfg = AppConfig.model_validate({"router": {"lanes": {"enabled": False}},
+                                    "language_model": {"engine": {"scheduling_policy": "fcfs"}}})
+    assert list(cfg.router.lanes.active()) == ["fifo"]

@@ -44,11 +44,15 @@ def test_prepare_reuses_a_verified_checkpoint(checkpoint):
     assert (checkpoint / "model.safetensors").stat().st_mtime_ns == before
 
 
-def test_cli_prepare_prints_the_path(checkpoint):
+def test_cli_prepare_prints_the_paths(checkpoint):
+    from pipeline.vision.embedded_encoder import embedded_encoder_dir, verify_encoder_dir
+
     out = subprocess.run([sys.executable, "-m", "pipeline.cli", "prepare", "--quiet"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == str(checkpoint)
+    encoder = embedded_encoder_dir()
+    assert out.stdout.split() == [str(checkpoint), str(encoder)]
+    assert verify_encoder_dir(encoder)
 
 
 def copy_checkpoint(checkpoint, tmp_path):

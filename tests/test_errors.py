@@ -87,8 +87,15 @@ def test_completion_rejections_name_the_field(server, body, status, param, words
     assert error["param"] == param and words in error["message"]
 
 
+def body_limit() -> int:
+    from pipeline.config import load_app_config
+    from tests.conftest import LOCAL_CONFIG
+
+    return load_app_config(LOCAL_CONFIG).router.limits.max_request_bytes
+
+
 def test_body_over_limit_is_413(server):
-    body = chat(messages=[{"role": "user", "content": "x" * (2 << 20)}])
+    body = chat(messages=[{"role": "user", "content": "x" * (body_limit() + (1 << 20))}])
     r = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 413
     assert "limit" in r.json()["error"]["message"]
@@ -96,7 +103,7 @@ def test_body_over_limit_is_413(server):
 
 def test_chunked_body_over_limit_is_413(server):
     def chunks():
-        for _ in range(40):
+        for _ in range(body_limit() // 65536 + 8):
             yield b"x" * 65536
 
     r = httpx.post(f"{server.base_url}/v1/chat/completions", content=chunks(),

@@ -1,8 +1,9 @@
-"""Replica faults, for real: the LanguageModel replica process is SIGKILLed mid-stream.
+"""Replica faults, for real: replica processes are SIGKILLed.
 
-In-flight streams must end promptly with an error event (not hang), non-streaming requests get a
-503 with Retry-After, Serve brings a new replica up, and new requests succeed. Marked `destructive`:
-conftest runs these tests last, since they restart the session server's engine.
+LanguageModel killed mid-stream: in-flight streams end promptly with an error event (not hang),
+Serve brings a new replica up, and new requests succeed. ImagePreprocessor or VisionEncoder
+killed: text requests are unaffected, image requests fail fast with 503 or succeed, and succeed
+again once Serve has replaced the replica. Marked `destructive`: conftest runs these tests last.
 """
 
 from __future__ import annotations
@@ -20,17 +21,21 @@ import pytest
 from tests.conftest import MODEL, wait_gone
 
 pytestmark = pytest.mark.destructive
-LM_PROCESS_TITLE = "ray::ServeReplica:moonserve:LanguageModel"
 
 
-def language_model_replica(server) -> psutil.Process:
+def replica_process(server, deployment: str) -> psutil.Process:
+    title = f"ray::ServeReplica:moonserve:{deployment}"
     for process in server.process.descendants():
         try:
-            if process.cmdline() and process.cmdline()[0].startswith(LM_PROCESS_TITLE):
+            if process.cmdline() and process.cmdline()[0].startswith(title):
                 return process
         except psutil.Error:
             continue
-    raise AssertionError("no LanguageModel replica process among the server's descendants")
+    raise AssertionError(f"no {deployment} replica process among the server's descendants")
+
+
+def language_model_replica(server) -> psutil.Process:
+    return replica_process(server, "LanguageModel")
 
 
 class StreamReader(threading.Thread):
@@ -99,3 +104,39 @@ def test_killed_language_model_replica_ends_streams_and_recovers(server):
     print(f"\nLanguageModel replica killed; serving again after {recovery_s:.1f} s")
     assert language_model_replica(server).pid != replica.pid
     assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200
+
+
+def image_request(base_url: str, seed: int) -> httpx.Response:
+    from tests.test_multimodal import data_url, image_chat, png
+
+    body = {"model": MODEL, "messages": image_chat(data_url(png((56 + seed % 50, 56), (seed % 256, 0, 0)))),
+            "max_tokens": 2}
+    return httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60)
+
+
+@pytest.mark.parametrize("deployment", ["VisionEncoder", "ImagePreprocessor"])
+def test_killed_image_replica_spares_text_and_image_requests_recover(server, deployment):
+    text = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    replica = replica_process(server, deployment)
+    os.kill(replica.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    for _ in range(3):
+        r = httpx.post(f"{server.base_url}/v1/chat/completions", json=text, timeout=30)
+        assert r.status_code == 200, r.text
+    statuses = []
+    seed = 0
+    while time.monotonic() - killed_at < 180:
+        seed += 1
+        began = time.monotonic()
+        r = image_request(server.base_url, seed)
+        statuses.append(r.status_code)
+        assert r.status_code in (200, 503), r.text
+        if r.status_code == 503:
+            assert time.monotonic() - began < 10, "an image request hung on the dead replica"
+            assert "retry-after" in r.headers
+        if r.status_code == 200 and time.monotonic() - killed_at > 1:
+            break
+        time.sleep(0.5)
+    assert statuses[-1] == 200, f"image requests did not recover: {statuses}"
+    print(f"\n{deployment} killed; image requests {statuses}, serving again after "
+          f"{time.monotonic() - killed_at:.1f} s")

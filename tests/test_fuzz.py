@@ -12,11 +12,10 @@ import json
 
 import httpx
 import pytest
-import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import LOCAL_CONFIG, MODEL
+from tests.conftest import MODEL
 
 CHAT_EXAMPLES = 1500
 COMPLETION_EXAMPLES = 500
@@ -69,19 +68,9 @@ completion_body = st.fixed_dictionaries(
 
 @pytest.fixture(scope="module")
 def fuzz_url(server):
-    from ray import serve
-
-    from deployments.builder import bind_router, resolve_model_path
-    from pipeline.config import AppConfig
-
-    args = yaml.safe_load(LOCAL_CONFIG.read_text())["applications"][0]["args"]
-    args["router"]["limits"] = {"max_tokens": 1, "default_max_tokens": 1}
-    config = AppConfig.model_validate(args)
-    app = bind_router(config.router, server.lm_handle(), resolve_model_path(config.language_model))
-    serve.run(app, name="fuzz", route_prefix="/fuzz")
-    with httpx.Client(base_url=f"{server.base_url}/fuzz", timeout=60) as http:
+    with server.router_app("fuzz", limits={"max_tokens": 1, "default_max_tokens": 1}) as url, \
+            httpx.Client(base_url=url, timeout=60) as http:
         yield http
-    serve.delete("fuzz")
 
 
 def check_response(r: httpx.Response, stream: bool) -> None:

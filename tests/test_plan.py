@@ -275,3 +275,19 @@ def test_format_plan_lists_every_assumption_with_its_source():
 
 def test_module_docstring_example_runs():
     assert doctest.testmod(pipeline.plan).failed == 0
+
+
+def test_plan_takes_parallelism_from_a_config_file():
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "plan", "--json", "--config",
+                          str(REPO / "configs" / "mi355x-k3.1-pro.yaml")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert (plan["tensor_parallel_size"], plan["decode_context_parallel_size"]) == (8, 8)
+    assert "engine settings from" in out.stderr and plan["brief_violations"] == []

@@ -27,6 +27,7 @@ def tp3_config() -> AppConfig:
     lm["placement"]["bundles"] = [{"CPU": 0.3}] * 3
     # 2 cores for 3 ranks: bind ranks to cores explicitly ("auto" needs a NUMA node per rank).
     lm["env"]["VLLM_CPU_OMP_THREADS_BIND"] = "0|1|0"
+    del args["vision"]  # text only: no second pair of image deployments
     return AppConfig.model_validate(args)
 
 

@@ -1,0 +1,110 @@
+"""ImagePreprocessor deployment: image URL -> patches in the object store + their layout.
+
+Sources are `data:image/...;base64,` URLs, and `http(s)` URLs only for allow-listed hosts
+(pipeline/vision/sources.py: DNS-pinned, private ranges refused, byte cap while streaming).
+Decoding and patchify run in a worker thread, batched across concurrent requests with
+`serve.batch`, so the replica's event loop keeps taking requests. Bad images raise
+`ImageError`; the router answers 400 naming the message and part.
+
+Example (without Serve):
+    >>> pre = ImagePreprocessor(ImagePreprocessorConfig())
+    >>> info = await pre.preprocess("data:image/png;base64,...")   # ImageInfo
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+
+from ray import serve
+
+from pipeline.config import ImagePreprocessorConfig
+from pipeline.protocol import ImageInfo
+
+
+def preprocess_config(config: ImagePreprocessorConfig):
+    from pipeline.vision.preprocess import PreprocessConfig
+
+    return PreprocessConfig(
+        patch_size=config.patch_size, merge_kernel=config.merge_kernel,
+        in_patch_limit=config.in_patch_limit, patch_limit_on_one_side=config.patch_limit_on_one_side,
+        image_mean=config.image_mean, image_std=config.image_std,
+        max_image_bytes=config.max_image_bytes, max_image_pixels=config.max_image_pixels,
+        background_rgb=config.background_rgb)
+
+
+def remote_policy(config: ImagePreprocessorConfig):
+    from pipeline.vision.sources import RemotePolicy
+
+    remote = config.remote
+    return RemotePolicy(
+        allowed_hosts=tuple(remote.allowed_hosts), allowed_networks=tuple(remote.allowed_networks),
+        max_bytes=config.max_image_bytes, connect_timeout_s=remote.connect_timeout_s,
+        read_timeout_s=remote.read_timeout_s, total_timeout_s=remote.total_timeout_s,
+        max_redirects=remote.max_redirects)
+
+
+def decode_and_patchify(data: bytes, cfg):
+    """bytes -> (pixel_values float32 ndarray [num_patches, 3, 14, 14], PreprocessedImage)."""
+    from pipeline.vision.preprocess import decode_image, preprocess
+
+    image = preprocess(decode_image(data, cfg), cfg)
+    return image.pixel_values.numpy(), image
+
+
+class ImagePreprocessor:
+    def __init__(self, config: ImagePreprocessorConfig):
+        self.cfg = preprocess_config(config)
+        self.policy = remote_policy(config)
+        self.session = None
+        self.process_batch.set_max_batch_size(config.max_batch_size)
+        self.process_batch.set_batch_wait_timeout_s(config.batch_wait_timeout_s)
+        from pipeline.metrics import make_metric
+
+        self.latency = make_metric("moonserve_image_preprocess_seconds")
+
+    async def preprocess(self, url: str) -> ImageInfo:
+        import ray
+
+        began = time.monotonic()
+        data = await self.read_source(url)
+        result = await self.process_batch(data)
+        if isinstance(result, Exception):
+            raise result
+        pixels, image = result
+        self.latency.observe(time.monotonic() - began)
+        return ImageInfo(content_hash=hashlib.sha256(data).hexdigest(),
+                         grid_thw=tuple(image.grid_thw), num_image_tokens=image.num_image_tokens,
+                         image_size=tuple(image.image_size), pixel_values=ray.put(pixels))
+
+    async def ready(self) -> bool:
+        """Answers while the replica's event loop runs (the router's /health asks)."""
+        return True
+
+    async def read_source(self, url: str) -> bytes:
+        from pipeline.vision.sources import fetch_remote, parse_data_url
+
+        if url.startswith("data:"):
+            return parse_data_url(url, self.cfg.max_image_bytes)
+        return await fetch_remote(url, self.policy, await self.http())
+
+    async def http(self):
+        import aiohttp
+
+        if self.session is None:
+            # No cookies: one user's fetch must not carry state into another's.
+            self.session = aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar())
+        return self.session
+
+    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.002)
+    async def process_batch(self, items: list[bytes]) -> list:
+        """Decode a batch in one worker thread; a bad image fails only its own request."""
+        return await asyncio.to_thread(lambda: [self.process_one(data) for data in items])
+
+    def process_one(self, data: bytes):
+        """A failure is returned, not raised, so it fails only its own request."""
+        try:
+            return decode_and_patchify(data, self.cfg)
+        except Exception as exc:
+            return exc

@@ -1,0 +1,125 @@
+"""GPU check of the varlen rotary attention kernel and of MoonViT-V2 on it; prints one JSON object.
+
+Run from the repository root on a CUDA (or ROCm) machine, as a module so that ``import triton``
+finds the real triton and not kernels/vision_attention/triton.py:
+
+    python -m kernels.vision_attention.gpu_check
+
+Kernel cases (12 heads of 128, as MoonViT-V2), float32 and bfloat16: relative-RMS error of the
+Triton kernel against kernels.vision_attention.naive in float32 on the same inputs, unwritten
+(NaN-poisoned) outputs, and the median time of the Triton kernel against the SDPA torch path.
+Model case: MoonViT-V2 at the production config with seeded random weights in bfloat16, Triton
+against SDPA attention on eight 448x448 images packed: relative RMS and images/s of each, and
+images/s of the same images encoded one at a time (Triton).
+Exit status: 0 if every case is within tolerance, 1 if any is not, 2 without a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from collections.abc import Callable
+
+import torch
+
+from kernels.vision_attention import naive, sdpa
+from kernels.vision_attention.naive import cu_seqlens_from_grid_thw, rope_2d_cos_sin
+
+HEADS, HEAD_DIM = 12, 128
+# Odd lengths (1, 63, 200, 4096); eight 448x448 images; one 1344x1344 image (9216 patches).
+GRIDS = {"odd": [[1, 1, 1], [1, 7, 9], [1, 10, 20], [1, 64, 64]], "8x448px": [[1, 32, 32]] * 8,
+         "1344px": [[1, 96, 96]]}
+# fp32: ieee dots, only the summation order differs. bf16: q, k (rotated), p and the output are
+# each rounded to bf16 once (2**-9 relative each).
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+MODEL_TOLERANCE = 2e-2  # 27 bf16 layers, two attention paths that round differently
+
+
+def time_ms(fn: Callable[[], object], warmup: int = 3, iters: int = 20) -> float:
+    """Median milliseconds of fn on the current CUDA stream."""
+    for _ in range(warmup):
+        fn()
+    events = [tuple(torch.cuda.Event(enable_timing=True) for _ in range(2)) for _ in range(iters)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+def relative_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    error = actual.float() - expected.float()
+    return (error.pow(2).mean().sqrt() / expected.float().pow(2).mean().sqrt()).item()
+
+
+def prepare_case(grids: list[list[int]], dtype: torch.dtype) -> tuple:
+    """q, k, v as views of one packed [total, 3, heads, head_dim] buffer, cu_seqlens, cos, sin, max_seqlen."""
+    total = sum(t * h * w for t, h, w in grids)
+    generator = torch.Generator("cuda").manual_seed(0)
+    qkv = torch.randn(total, 3, HEADS, HEAD_DIM, device="cuda", generator=generator).to(dtype)
+    cos, sin = (x.cuda() for x in rope_2d_cos_sin(grids, HEAD_DIM))
+    max_seqlen = max(t * h * w for t, h, w in grids)
+    return (*qkv.unbind(1), cu_seqlens_from_grid_thw(grids).cuda(), cos, sin, max_seqlen)
+
+
+def run_kernel_case(vision_triton, name: str, dtype: torch.dtype) -> dict:
+    q, k, v, cu_seqlens, cos, sin, max_seqlen = prepare_case(GRIDS[name], dtype)
+    expected = naive.varlen_attention(q.float(), k.float(), v.float(), cu_seqlens, cos, sin)
+    poisoned = torch.full(q.shape, float("nan"), dtype=dtype, device="cuda")
+    actual = vision_triton.varlen_attention(q, k, v, cu_seqlens, cos, sin, max_seqlen=max_seqlen, out=poisoned)
+    error = relative_rms(actual.nan_to_num(), expected)
+    unwritten = int(actual.isnan().sum())
+    triton_ms = time_ms(lambda: vision_triton.varlen_attention(q, k, v, cu_seqlens, cos, sin, max_seqlen=max_seqlen))
+    sdpa_ms = time_ms(lambda: sdpa.varlen_attention(q, k, v, cu_seqlens, cos, sin))
+    return {"grids": name, "dtype": str(dtype).removeprefix("torch."), "relative_rms": error,
+            "sdpa_relative_rms": relative_rms(sdpa.varlen_attention(q, k, v, cu_seqlens, cos, sin), expected),
+            "unwritten": unwritten, "triton_ms": triton_ms, "sdpa_ms": sdpa_ms, "speedup": sdpa_ms / triton_ms,
+            "passed": error <= TOLERANCE[dtype] and unwritten == 0}
+
+
+def run_model_case() -> dict:
+    from pipeline.vision.embedded_encoder import random_state_dict
+    from pipeline.vision.moonvit import MoonViT, MoonViTConfig
+
+    cfg = MoonViTConfig()
+    model = MoonViT(cfg)
+    model.load_state_dict(random_state_dict(cfg, seed=0))
+    model = model.to("cuda", torch.bfloat16).eval()
+    grids = GRIDS["8x448px"]
+    pixel_values = torch.randn(sum(t * h * w for t, h, w in grids), 3, 14, 14, device="cuda")
+    results = {}
+    with torch.inference_mode():
+        for backend in ("sdpa", "triton"):
+            model.attention_backend = backend
+            results[backend] = torch.cat(model(pixel_values, grids))
+            ms = time_ms(lambda: model.embed_packed(pixel_values, grids), warmup=2, iters=10)
+            results[f"{backend}_images_per_s"] = len(grids) / ms * 1000
+        images = pixel_values.split([t * h * w for t, h, w in grids])
+        loop_ms = time_ms(lambda: [model.embed_packed(x, [g]) for x, g in zip(images, grids)], warmup=2, iters=10)
+    error = relative_rms(results["triton"], results["sdpa"])
+    return {"grids": "8x448px", "dtype": "bfloat16", "triton_vs_sdpa_relative_rms": error,
+            "triton_images_per_s": results["triton_images_per_s"], "sdpa_images_per_s": results["sdpa_images_per_s"],
+            "triton_per_image_loop_images_per_s": len(grids) / loop_ms * 1000,
+            "passed": error <= MODEL_TOLERANCE and bool(results["triton"].isfinite().all())}
+
+
+def main() -> int:
+    if not __package__:
+        print("run as `python -m kernels.vision_attention.gpu_check` from the repository root", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print(json.dumps({"error": "no CUDA/ROCm device; this check needs a GPU"}))
+        return 2
+    from kernels.vision_attention import triton as vision_triton
+
+    cases = [run_kernel_case(vision_triton, name, dtype) for name in GRIDS for dtype in TOLERANCE]
+    cases.append(run_model_case())
+    passed = all(case["passed"] for case in cases)
+    print(json.dumps({"device": torch.cuda.get_device_name(), "passed": passed, "cases": cases}, indent=2))
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

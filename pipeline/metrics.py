@@ -1,0 +1,124 @@
+"""moonserve's own metrics, exported through Ray's metrics agent (Prometheus, Ray dashboard).
+
+Every metric is declared once in `METRICS`; Prometheus shows it as `ray_<name>` (counters with a
+`_total` suffix), with Serve's `deployment`, `replica` and `application` tags added by
+`ray.serve.metrics`. README "Metrics" lists the same names; `tests/test_metrics.py` checks that the
+running app exports them.
+
+Example (inside a replica):
+    >>> metrics = RouterMetrics()
+    >>> metrics.lane_event("interactive", "admitted")
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+# Seconds: 5 ms .. 5 min, dense where interactive TTFT and inter-token latency live.
+LATENCY_BOUNDARIES_S = [0.005, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
+                        5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0]
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    kind: str  # counter | gauge | histogram
+    description: str
+    tag_keys: tuple[str, ...] = ("lane",)
+
+
+METRICS: dict[str, MetricSpec] = {
+    "moonserve_lane_queue_depth": MetricSpec("gauge", "Requests waiting in the lane's queue."),
+    "moonserve_lane_in_flight": MetricSpec("gauge", "Admitted requests of the lane, generating."),
+    "moonserve_lane_requests": MetricSpec(
+        "counter", "Lane admission outcomes (event: admitted | rejected | timed_out).",
+        ("lane", "event")),
+    "moonserve_time_to_first_token_seconds": MetricSpec(
+        "histogram", "Request arrival at the router to the first generated token (queueing "
+        "included)."),
+    "moonserve_inter_token_latency_seconds": MetricSpec(
+        "histogram", "Time between generated tokens of one request, as streamed by the router."),
+    "moonserve_request_latency_seconds": MetricSpec(
+        "histogram", "Request arrival to the last token, by lane and outcome (status: ok | error).",
+        ("lane", "status")),
+    "moonserve_prompt_tokens": MetricSpec("counter", "Prompt tokens of admitted requests."),
+    "moonserve_completion_tokens": MetricSpec("counter", "Generated tokens."),
+    "moonserve_image_preprocess_seconds": MetricSpec(
+        "histogram", "ImagePreprocessor: one image from URL to patches (fetch, decode, resize, "
+        "patchify).", ()),
+    "moonserve_image_encode_seconds": MetricSpec(
+        "histogram", "VisionEncoder: one packed batch through MoonViT (observed per image).", ()),
+    "moonserve_encoder_cache": MetricSpec(
+        "counter", "VisionEncoder embedding cache lookups (result: hit | miss).", ("result",)),
+}
+
+
+def make_metric(name: str):
+    from ray.serve import metrics
+
+    spec = METRICS[name]
+    if spec.kind == "counter":
+        return metrics.Counter(name, description=spec.description, tag_keys=spec.tag_keys)
+    if spec.kind == "gauge":
+        return metrics.Gauge(name, description=spec.description, tag_keys=spec.tag_keys)
+    return metrics.Histogram(name, description=spec.description, tag_keys=spec.tag_keys,
+                             boundaries=LATENCY_BOUNDARIES_S)
+
+
+class RouterMetrics:
+    """The Router's metrics; also the `LaneObserver` of its lanes."""
+
+    def __init__(self):
+        self.m = {name: make_metric(name) for name in METRICS}
+
+    def lane_depth(self, lane: str, queued: int, in_flight: int) -> None:
+        self.m["moonserve_lane_queue_depth"].set(queued, tags={"lane": lane})
+        self.m["moonserve_lane_in_flight"].set(in_flight, tags={"lane": lane})
+
+    def lane_event(self, lane: str, event: str) -> None:
+        self.m["moonserve_lane_requests"].inc(tags={"lane": lane, "event": event})
+
+    def prompt(self, lane: str, num_tokens: int) -> None:
+        self.m["moonserve_prompt_tokens"].inc(num_tokens, tags={"lane": lane})
+
+    def first_token(self, lane: str, seconds: float) -> None:
+        self.m["moonserve_time_to_first_token_seconds"].observe(seconds, tags={"lane": lane})
+
+    def tokens(self, lane: str, num_tokens: int, gap_s: float | None) -> None:
+        """`num_tokens` arrived in one delta `gap_s` after the previous one (None: the first)."""
+        if num_tokens <= 0:
+            return
+        self.m["moonserve_completion_tokens"].inc(num_tokens, tags={"lane": lane})
+        if gap_s is not None:
+            # A delta can carry several tokens (vLLM merges unread deltas): spread the gap.
+            itl = self.m["moonserve_inter_token_latency_seconds"]
+            for _ in range(num_tokens):
+                itl.observe(gap_s / num_tokens, tags={"lane": lane})
+
+    def finished(self, lane: str, seconds: float, ok: bool) -> None:
+        self.m["moonserve_request_latency_seconds"].observe(
+            seconds, tags={"lane": lane, "status": "ok" if ok else "error"})
+
+
+class RequestTrace:
+    """Times one request from its arrival at the router; feeds TTFT, ITL and latency metrics."""
+
+    def __init__(self, metrics: RouterMetrics | None, lane: str, arrival: float):
+        self.metrics = metrics
+        self.lane = lane
+        self.arrival = arrival
+        self.last: float | None = None
+        self.failed = False  # the LM call raised (a stream may still end "normally" after it)
+
+    def delta(self, num_tokens: int) -> None:
+        if self.metrics is None or num_tokens <= 0:
+            return
+        now = time.monotonic()
+        if self.last is None:
+            self.metrics.first_token(self.lane, now - self.arrival)
+        self.metrics.tokens(self.lane, num_tokens, None if self.last is None else now - self.last)
+        self.last = now
+
+    def finish(self, ok: bool) -> None:
+        if self.metrics is not None:
+            self.metrics.finished(self.lane, time.monotonic() - self.arrival, ok and not self.failed)
