@@ -69,12 +69,13 @@ def resolve_api_keys(config: RouterConfig) -> ApiKeys | None:
 
 
 def bind_router(config: RouterConfig, language_model, model_path: str,
-                vision: VisionConfig | None = None, preprocessor=None, encoder=None) -> Application:
+                vision: VisionConfig | None = None, preprocessor=None, encoder=None,
+                trust_remote_code: bool = False) -> Application:
     """The Router ingress bound to a LanguageModel (and, with `vision`, the image deployments);
     each a bound deployment or an existing handle."""
     router = serve.deployment(serve.ingress()(Router), name="Router", **router_options(config))
     return router.bind(config, language_model, model_path, resolve_api_keys(config), vision,
-                       preprocessor, encoder)
+                       preprocessor, encoder, trust_remote_code)
 
 
 def resolve_encoder_path(config: VisionEncoderConfig, lm_path: str) -> str:
@@ -108,7 +109,9 @@ def build_app(args: AppConfig) -> Application:
     language_model = serve.deployment(
         LanguageModel, name="LanguageModel", **language_model_options(args.language_model)
     ).bind(args.language_model, model_path)
+    trust = args.language_model.engine.trust_remote_code
     if args.vision is None:
-        return bind_router(args.router, language_model, model_path)
+        return bind_router(args.router, language_model, model_path, trust_remote_code=trust)
     preprocessor, encoder = bind_vision(args.vision, model_path)
-    return bind_router(args.router, language_model, model_path, args.vision, preprocessor, encoder)
+    return bind_router(args.router, language_model, model_path, args.vision, preprocessor, encoder,
+                       trust)

@@ -89,6 +89,9 @@ def engine_args(engine: EngineConfig, model_path: str):
     )
 
 
+TOKEN_EMBEDDING_NAMES = ("model.embed_tokens.weight", "language_model.model.embed_tokens.weight")
+
+
 def load_token_embeddings(model_path: str):
     """The checkpoint's input embedding table [vocab, hidden], read from its safetensors files."""
     import json
@@ -102,10 +105,13 @@ def load_token_embeddings(model_path: str):
         else [p.name for p in root.glob("*.safetensors")]
     for name in files:
         with safe_open(root / name, framework="pt") as f:
-            key = next((k for k in f.keys() if k.endswith("embed_tokens.weight")), None)
+            # The target's own table, not a drafter's or MTP layer's (K3 names it under
+            # language_model.model.*).
+            key = next((k for k in TOKEN_EMBEDDING_NAMES if k in f.keys()), None)
             if key is not None:
                 return f.get_tensor(key)
-    raise FileNotFoundError(f"{model_path}: no '*embed_tokens.weight' tensor for prompt embeddings")
+    raise FileNotFoundError(f"{model_path}: none of {TOKEN_EMBEDDING_NAMES} found, needed for "
+                            "prompt embeddings")
 
 
 def sampling_params(spec: SamplingSpec):

@@ -97,7 +97,9 @@ class ImagePreprocessor:
             self.session = aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar())
         return self.session
 
-    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.002)
+    # Two batches at once: Pillow releases the GIL while decoding and resizing, so a replica
+    # with 2 CPUs decodes on both.
+    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.002, max_concurrent_batches=2)
     async def process_batch(self, items: list[bytes]) -> list:
         """Decode a batch in one worker thread; a bad image fails only its own request."""
         return await asyncio.to_thread(lambda: [self.process_one(data) for data in items])

@@ -55,11 +55,12 @@ class Router:
 
     def __init__(self, config: RouterConfig, language_model, model_path: str,
                  api_keys: ApiKeys | None = None, vision: VisionConfig | None = None,
-                 preprocessor=None, encoder=None):
+                 preprocessor=None, encoder=None, trust_remote_code: bool = False):
         self.limits = config.limits
         self.lm = language_model
         self.api_keys = api_keys
-        self.prompts = PromptBuilder.from_pretrained(model_path)
+        # Kimi checkpoints ship their own tokenizer code (the engine's trust_remote_code).
+        self.prompts = PromptBuilder.from_pretrained(model_path, trust_remote_code)
         self.images = None if vision is None else \
             ImageFanIn(vision.image_placeholder, preprocessor, encoder)
         self.image_placeholder_id = None if self.images is None else \

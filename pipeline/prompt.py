@@ -23,10 +23,10 @@ class PromptBuilder:
         self.tokenizer = tokenizer
 
     @classmethod
-    def from_pretrained(cls, path: str) -> PromptBuilder:
+    def from_pretrained(cls, path: str, trust_remote_code: bool = False) -> PromptBuilder:
         from transformers import AutoTokenizer
 
-        return cls(AutoTokenizer.from_pretrained(path))
+        return cls(AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code))
 
     def token_id(self, token: str) -> int:
         """The id of a single token of the vocabulary (e.g. the image placeholder)."""
