@@ -5,6 +5,7 @@
     moonserve bench overhead [--out FILE]  # pipeline vs vLLM's own OpenAI server, JSON results
     moonserve bench lanes [--out FILE]     # interactive TTFT under long-context load, lanes vs FIFO
     moonserve bench vision [--out FILE]    # preprocess vs vLLM, packed vs loop encoder, image TTFT
+    moonserve bench reliability [--out FILE]  # 5x overload: sent/completed/rejected/lost; recovery
     moonserve plan [--json]                # capacity of Kimi K3.1 Pro on 8x MI355X
     moonserve plan --checkpoint PATH       # ... with the weights measured in a checkpoint
     moonserve check-checkpoint PATH [--json] [--tp 8]  # preflight a checkpoint from its headers
@@ -58,7 +59,7 @@ def bench_module(name: str):
 
 
 BENCHMARKS = {"overhead": bench_module("overhead"), "lanes": bench_module("lanes"),
-              "vision": bench_module("vision")}
+              "vision": bench_module("vision"), "reliability": bench_module("reliability")}
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -7,26 +7,18 @@ determinism), not what the model says about the picture.
 
 from __future__ import annotations
 
-import base64
-import io
-
 import httpx
 import openai
 import pytest
 from PIL import Image
 
+from pipeline.bench.corpus import broken_images, data_url, encode, odd_images
 from pipeline.vision.preprocess import navit_grid, num_image_tokens
 from tests.conftest import MODEL
 
 
 def png(size=(224, 224), color=(200, 30, 30), mode="RGB") -> bytes:
-    buffer = io.BytesIO()
-    Image.new(mode, size, color).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-def data_url(data: bytes, mime="image/png") -> str:
-    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+    return encode(Image.new(mode, size, color), "PNG")
 
 
 def image_chat(*urls: str, text="Describe the picture.") -> list[dict]:
@@ -80,27 +72,8 @@ def test_the_same_image_is_encoded_once(server, client):
     assert after["hits"] - before["hits"] == 2
 
 
-def truncated_png() -> bytes:
-    return png((300, 300), (1, 2, 3))[:200]
-
-
-def bomb_png() -> bytes:
-    buffer = io.BytesIO()
-    Image.new("1", (20000, 20000)).save(buffer, format="PNG")  # 20000 x 20000 = 400 MP, tiny file
-    return buffer.getvalue()
-
-
-BROKEN = {
-    "invalid base64": "data:image/png;base64,@@not-base64@@",
-    "not an image": data_url(b"hello, this is text pretending to be a PNG"),
-    "truncated PNG": data_url(truncated_png()),
-    "SVG": data_url(b'<svg xmlns="http://www.w3.org/2000/svg" width="10" height="10"/>',
-                    "image/svg+xml"),
-    "zero bytes": "data:image/png;base64,",
-    "decompression bomb": data_url(bomb_png()),
-    "remote URL (not allowed)": "http://127.0.0.1:9/cat.png",
-    "file URL": "file:///etc/passwd",
-}
+BROKEN = broken_images()
+ODD = odd_images()
 
 
 @pytest.mark.parametrize("name", list(BROKEN))
@@ -113,6 +86,12 @@ def test_bad_images_are_400_naming_message_and_part(client, name):
     error = err.value.body
     assert error["param"] == "messages[1].content[1]", error
     assert error["message"].startswith("messages[1].content[1]: ")
+
+
+@pytest.mark.parametrize("name", list(ODD))
+def test_odd_but_valid_images_are_answered(client, name):
+    r = client.chat.completions.create(model=MODEL, messages=image_chat(ODD[name]), max_tokens=2)
+    assert r.choices[0].finish_reason and r.usage.prompt_tokens > 1
 
 
 def test_bad_images_leave_the_image_replicas_healthy(server, client):

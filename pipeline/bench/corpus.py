@@ -1,0 +1,90 @@
+"""Inputs that must never produce a 5xx: broken and odd images (made with Pillow) and malformed
+request bodies. Used by `moonserve bench reliability` and by the test suite.
+
+Example:
+    >>> for name, (url, expect) in image_corpus().items(): ...   # expect: "400" or "ok"
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+
+from PIL import Image
+
+
+def encode(image: Image.Image, fmt: str, **kwargs) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt, **kwargs)
+    return buffer.getvalue()
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def animated_gif() -> bytes:
+    frames = [Image.new("RGB", (64, 48), c) for c in [(255, 0, 0), (0, 255, 0), (0, 0, 255)]]
+    buffer = io.BytesIO()
+    frames[0].save(buffer, format="GIF", save_all=True, append_images=frames[1:], duration=50)
+    return buffer.getvalue()
+
+
+def palette_with_transparency() -> bytes:
+    image = Image.new("P", (40, 30), 1)
+    image.putpalette([0, 0, 0, 255, 0, 0] + [0] * 762)
+    return encode(image, "PNG", transparency=0)
+
+
+def broken_images() -> dict[str, str]:
+    """Name -> URL of inputs that must be a 400 naming the part."""
+    png = encode(Image.new("RGB", (300, 300), (1, 2, 3)), "PNG")
+    jpeg = encode(Image.new("RGB", (300, 300), (9, 8, 7)), "JPEG")
+    return {
+        "invalid base64": "data:image/png;base64,@@not-base64@@",
+        "text pretending to be PNG": data_url(b"hello, this is text pretending to be a PNG"),
+        "wrong magic": data_url(b"\x89PNX" + png[4:]),
+        "truncated PNG": data_url(png[:200]),
+        "truncated JPEG": data_url(jpeg[: len(jpeg) // 2], "image/jpeg"),
+        "zero bytes": "data:image/png;base64,",
+        "SVG": data_url(b'<svg xmlns="http://www.w3.org/2000/svg" width="10" height="10"/>',
+                        "image/svg+xml"),
+        "decompression bomb": data_url(encode(Image.new("1", (20000, 20000)), "PNG")),
+        "remote URL (not allowed)": "http://127.0.0.1:9/cat.png",
+        "file URL": "file:///etc/passwd",
+    }
+
+
+def odd_images() -> dict[str, str]:
+    """Name -> URL of unusual but valid images that must be answered (200)."""
+    return {
+        "palette with transparency": data_url(palette_with_transparency()),
+        "16-bit PNG": data_url(encode(Image.new("I;16", (50, 40), 40000), "PNG")),
+        "CMYK JPEG": data_url(encode(Image.new("CMYK", (60, 40), (0, 128, 255, 0)), "JPEG"),
+                              "image/jpeg"),
+        "animated GIF": data_url(animated_gif(), "image/gif"),
+        "1x100000": data_url(encode(Image.new("L", (1, 100000), 128), "PNG")),
+    }
+
+
+def bad_bodies(model: str) -> list[tuple[str, bytes]]:
+    """(name, raw body) of malformed chat requests; each must be a 4xx naming what is wrong."""
+    def chat(**fields) -> dict:
+        return {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                **fields}
+
+    import json
+
+    cases = {
+        "negative max_tokens": chat(max_tokens=-5),
+        "temperature out of range": chat(temperature=7),
+        "huge number": chat(max_tokens=10**40),
+        "unknown role": {"model": model, "messages": [{"role": "wizard", "content": "hi"}]},
+        "tools": chat(tools=[{"type": "function", "function": {"name": "f"}}]),
+        "empty messages": {"model": model, "messages": []},
+        "image part without url": {"model": model, "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+    }
+    raw = [(name, json.dumps(body).encode()) for name, body in cases.items()]
+    return raw + [("invalid UTF-8", b'{"model": "\xff\xfe", "messages": []}'),
+                  ("not JSON", b"{{{{"), ("JSON array", b"[1, 2]")]
