@@ -1,0 +1,52 @@
+"""The pluggable drafter interface used by `DraftSessions`.
+
+A `Drafter` is stateless configuration (thresholds, weights); it opens one `DrafterState` per
+request, which owns that request's token context and any cache derived from it (the n-gram index
+now, the DSpark drafter's KV cache later). `DraftSessions` only ever calls the four members below,
+so a new drafter needs nothing else.
+
+Example:
+    >>> from pipeline.speculative.ngram import NgramDrafter
+    >>> state = NgramDrafter(min_n=2, max_n=3).new_state("req-1")
+    >>> state.append([7, 8, 9, 7, 8])
+    >>> state.propose(num_speculative_tokens=2)
+    [9, 7]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class DrafterState(Protocol):
+    """One request's drafting context: its accepted token ids plus derived caches."""
+
+    @property
+    def token_ids(self) -> Sequence[int]:
+        """The context, `[num_tokens]`; read-only to callers."""
+        ...
+
+    def append(self, token_ids: Sequence[int]) -> None:
+        """Extend the context at its end."""
+        ...
+
+    def truncate(self, num_tokens: int) -> None:
+        """Drop every token from index `num_tokens` on (rejected or diverged tail)."""
+        ...
+
+    def propose(self, num_speculative_tokens: int) -> list[int]:
+        """Up to `num_speculative_tokens` draft ids to follow the context (may be empty)."""
+        ...
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """A factory of per-request drafting states."""
+
+    name: str
+
+    def new_state(self, request_id: str) -> DrafterState:
+        """Open an empty context for `request_id`."""
+        ...

@@ -1,0 +1,277 @@
+"""Per-request draft state of the DraftService, bounded in sessions, tokens and idle time.
+
+The target sends, per request and step, only the tokens added since its last call:
+`draft(request_id, new_token_ids, position, num_speculative_tokens)`, where `position` is the
+number of context tokens the target believes the service already holds. The service's context
+becomes `context[:position] + new_token_ids`:
+
+- `position == held`: plain append (the common case, one to k+1 tokens per step).
+- `position < held`: a resend after rejected drafts (the service had assumed drafts accepted) or a
+  duplicate call from another tensor-parallel rank. Only the tail that differs is dropped, so a
+  duplicate is a no-op and keeps the cached proposal.
+- `position > held`: tokens are missing (a lost call, or the session was evicted): raises
+  `MissingTokensError`; resend from `error.num_tokens_held` (or from 0, which always works).
+
+Proposals are cached per (context length, num_speculative_tokens) until the context changes, so
+every rank asking at the same position gets the same drafts, even from a sampling drafter.
+
+Methods are synchronous and not thread-safe: call them from one thread (the replica's loop).
+
+Example:
+    >>> from pipeline.speculative.ngram import NgramDrafter
+    >>> sessions = DraftSessions(NgramDrafter(min_n=1, max_n=2))
+    >>> sessions.draft("req-1", [4, 5, 6, 4], position=0, num_speculative_tokens=2)
+    [5, 6]
+    >>> sessions.draft("req-1", [5, 9], position=4, num_speculative_tokens=2)  # 5 accepted, 9 bonus
+    []
+    >>> sessions.release("req-1")
+    True
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from pipeline.speculative.drafter import Drafter, DrafterState
+
+
+class DraftSessionError(Exception):
+    """Base of the errors a DraftService caller is expected to handle."""
+
+
+class MissingTokensError(DraftSessionError):
+    """The caller's `position` is past what the service holds for the request."""
+
+    def __init__(self, request_id: str, position: int, num_tokens_held: int):
+        self.request_id = request_id
+        self.position = position
+        self.num_tokens_held = num_tokens_held
+        super().__init__(
+            f"request {request_id!r}: position {position} is past the {num_tokens_held} tokens "
+            f"the draft service holds; resend its context from position {num_tokens_held} (or 0)"
+        )
+
+
+class UnknownRequestError(DraftSessionError):
+    """No session for the request (never opened, released, or evicted)."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        super().__init__(
+            f"request {request_id!r} has no draft session (released or evicted); "
+            "resend its full context from position 0"
+        )
+
+
+class ContextTooLongError(DraftSessionError):
+    """One request's context alone exceeds the service's total token budget."""
+
+    def __init__(self, request_id: str, num_tokens: int, max_total_tokens: int):
+        self.request_id = request_id
+        self.num_tokens = num_tokens
+        self.max_total_tokens = max_total_tokens
+        super().__init__(
+            f"request {request_id!r}: context of {num_tokens} tokens exceeds the draft service's "
+            f"max_total_tokens={max_total_tokens}; draft this request without the service"
+        )
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    """Bounds on the service's memory; the least recently used session goes first."""
+
+    max_sessions: int = 1024
+    max_total_tokens: int = 4_000_000
+    idle_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if (
+            self.max_sessions < 1
+            or self.max_total_tokens < 1
+            or self.idle_timeout_s <= 0
+        ):
+            raise ValueError(f"session limits must be positive, got {self}")
+
+
+@dataclass
+class SessionStats:
+    """Counters for the service's metrics."""
+
+    num_opened: int = 0
+    num_released: int = 0
+    num_evicted_lru: int = 0
+    num_evicted_idle: int = 0
+    num_proposals: int = 0
+    num_cached_proposals: int = 0
+    num_truncations: int = 0
+
+
+@dataclass
+class DraftSession:
+    request_id: str
+    state: DrafterState
+    last_used: float
+    # (num_tokens, num_speculative_tokens, draft_token_ids) of the last proposal
+    cached_proposal: tuple[int, int, list[int]] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.state.token_ids)
+
+
+@dataclass
+class DraftSessions:
+    """Bounded map request_id -> `DraftSession`, in least-recently-used order."""
+
+    drafter: Drafter
+    limits: SessionLimits = field(default_factory=SessionLimits)
+    clock: Callable[[], float] = time.monotonic
+    stats: SessionStats = field(default_factory=SessionStats)
+    _sessions: OrderedDict[str, DraftSession] = field(
+        default_factory=OrderedDict, init=False, repr=False
+    )
+    _num_total_tokens: int = field(default=0, init=False)
+
+    @property
+    def num_sessions(self) -> int:
+        return len(self._sessions)
+
+    @property
+    def num_total_tokens(self) -> int:
+        return self._num_total_tokens
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._sessions
+
+    def num_tokens(self, request_id: str) -> int:
+        """Tokens held for `request_id`; 0 when it has no session."""
+        session = self._sessions.get(request_id)
+        return session.num_tokens if session else 0
+
+    def draft(
+        self,
+        request_id: str,
+        new_token_ids: Sequence[int],
+        position: int,
+        num_speculative_tokens: int,
+    ) -> list[int]:
+        """`extend` then `propose`: the DraftService's per-step call."""
+        self.extend(request_id, new_token_ids, position)
+        return self.propose(request_id, num_speculative_tokens)
+
+    def extend(
+        self, request_id: str, new_token_ids: Sequence[int], position: int
+    ) -> int:
+        """Make the context `context[:position] + new_token_ids`; returns its length.
+
+        Opens the session when `request_id` is new (then `position` must be 0).
+        """
+        held = self.num_tokens(request_id)
+        if position < 0 or position > held:
+            raise MissingTokensError(request_id, position, held)
+        if position + len(new_token_ids) > self.limits.max_total_tokens:
+            self.release(request_id)
+            raise ContextTooLongError(
+                request_id, position + len(new_token_ids), self.limits.max_total_tokens
+            )
+        session = self._sessions.get(request_id) or self._open(request_id)
+        self._apply(session, new_token_ids, position)
+        self._touch(session)
+        self._enforce_limits(keep=request_id)
+        return session.num_tokens
+
+    def propose(self, request_id: str, num_speculative_tokens: int) -> list[int]:
+        """Up to `num_speculative_tokens` drafts for the current context; idempotent."""
+        session = self._sessions.get(request_id)
+        if session is None:
+            raise UnknownRequestError(request_id)
+        self._touch(session)
+        key = (session.num_tokens, num_speculative_tokens)
+        if session.cached_proposal is not None and session.cached_proposal[:2] == key:
+            self.stats.num_cached_proposals += 1
+            return list(session.cached_proposal[2])
+        drafts = list(session.state.propose(num_speculative_tokens))
+        session.cached_proposal = (*key, drafts)
+        self.stats.num_proposals += 1
+        return list(drafts)
+
+    def release(self, request_id: str) -> bool:
+        """Forget a finished or aborted request; False when it had no session."""
+        if self._drop(request_id) is None:
+            return False
+        self.stats.num_released += 1
+        return True
+
+    def evict_idle(self, now: float | None = None) -> list[str]:
+        """Drop sessions unused for more than `idle_timeout_s`; returns their request ids."""
+        now = self.clock() if now is None else now
+        idle = [
+            request_id
+            for request_id, session in self._sessions.items()
+            if now - session.last_used > self.limits.idle_timeout_s
+        ]
+        for request_id in idle:
+            self._drop(request_id)
+        self.stats.num_evicted_idle += len(idle)
+        return idle
+
+    def _open(self, request_id: str) -> DraftSession:
+        session = DraftSession(
+            request_id, self.drafter.new_state(request_id), self.clock()
+        )
+        self._sessions[request_id] = session
+        self.stats.num_opened += 1
+        return session
+
+    def _apply(
+        self, session: DraftSession, new_token_ids: Sequence[int], position: int
+    ) -> None:
+        held = session.num_tokens
+        common = _common_prefix_len(session.state.token_ids, position, new_token_ids)
+        keep = position + common
+        if keep < held:
+            session.state.truncate(keep)
+            self.stats.num_truncations += 1
+        if common < len(new_token_ids):
+            session.state.append(new_token_ids[common:])
+        if session.num_tokens != held or keep < held:
+            session.cached_proposal = None
+        self._num_total_tokens += session.num_tokens - held
+
+    def _touch(self, session: DraftSession) -> None:
+        session.last_used = self.clock()
+        self._sessions.move_to_end(session.request_id)
+
+    def _enforce_limits(self, keep: str) -> None:
+        while self._over_limits() and len(self._sessions) > 1:
+            oldest = next(iter(self._sessions))
+            if oldest == keep:  # keep is most recent after _touch; defensive only
+                break
+            self._drop(oldest)
+            self.stats.num_evicted_lru += 1
+
+    def _over_limits(self) -> bool:
+        return (
+            len(self._sessions) > self.limits.max_sessions
+            or self._num_total_tokens > self.limits.max_total_tokens
+        )
+
+    def _drop(self, request_id: str) -> DraftSession | None:
+        session = self._sessions.pop(request_id, None)
+        if session is not None:
+            self._num_total_tokens -= session.num_tokens
+        return session
+
+
+def _common_prefix_len(
+    held: Sequence[int], position: int, new_token_ids: Sequence[int]
+) -> int:
+    """How many of `new_token_ids` already sit at `held[position:]`."""
+    overlap = min(len(held) - position, len(new_token_ids))
+    for i in range(overlap):
+        if held[position + i] != new_token_ids[i]:
+            return i
+    return overlap
