@@ -1,6 +1,6 @@
 """`moonserve` command line: prepare, serve, bench, plan, check-checkpoint.
 
-    moonserve prepare                      # build the embedded checkpoint (idempotent)
+    moonserve prepare                      # build the embedded LM + vision encoder (idempotent)
     moonserve serve [--config FILE]        # local Ray + app on 127.0.0.1:8000, dashboard :8265
     moonserve bench overhead [--out FILE]  # pipeline vs vLLM's own OpenAI server, JSON results
     moonserve bench lanes [--out FILE]     # interactive TTFT under long-context load, lanes vs FIFO
@@ -155,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moonserve", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    prepare = sub.add_parser("prepare", help="build the embedded model checkpoint under "
+    prepare = sub.add_parser("prepare", help="build the embedded LM checkpoint and the embedded "
+                             "(random-weight) vision encoder under "
                              "$MOONSERVE_HOME (default ~/.cache/moonserve); idempotent")
     prepare.add_argument("--quiet", action="store_true", help="no progress bar")
     prepare.set_defaults(func=cmd_prepare)
