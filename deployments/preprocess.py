@@ -24,14 +24,12 @@ from pipeline.protocol import ImageInfo
 
 
 def preprocess_config(config: ImagePreprocessorConfig):
+    """The typed config's layout and limit fields, which carry PreprocessConfig's names."""
+    from dataclasses import fields
+
     from pipeline.vision.preprocess import PreprocessConfig
 
-    return PreprocessConfig(
-        patch_size=config.patch_size, merge_kernel=config.merge_kernel,
-        in_patch_limit=config.in_patch_limit, patch_limit_on_one_side=config.patch_limit_on_one_side,
-        image_mean=config.image_mean, image_std=config.image_std,
-        max_image_bytes=config.max_image_bytes, max_image_pixels=config.max_image_pixels,
-        background_rgb=config.background_rgb)
+    return PreprocessConfig(**{f.name: getattr(config, f.name) for f in fields(PreprocessConfig)})
 
 
 def remote_policy(config: ImagePreprocessorConfig):

@@ -11,25 +11,22 @@ Headless, time-bounded (a load shape from loadtest/shapes.py is optional):
 
     locust -f loadtest/locustfile.py --headless -u 8 -r 4 -t 60s --host http://127.0.0.1:8000 \\
         --csv out/run --html out/report.html --max-error-ratio 0.01 --max-ttft-p99-ms 2000
-    locust -f loadtest/locustfile.py,loadtest/shapes.py --profile mixed -u 12 --profile-seconds 120 \\
+    locust -f loadtest/locustfile.py,loadtest/shapes.py --load-shape mixed -u 12 --shape-seconds 120 \\
         --headless --host http://127.0.0.1:8000 --csv out/mixed
 """
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import random
 import time
 
 from locust import HttpUser, between, events, task
 
-WORDS = ("river stone lantern orbit velvet harbor copper meadow signal canyon ember quartz "
-         "willow falcon prism tide cedar glacier nickel saffron").split()
+from pipeline.bench.corpus import data_url, encode, filler_text
+
 CHAT_PROMPTS = ["What is the capital of France?", "Name three colors.",
                 "Write one sentence about the sea.", "What is 2 + 2?", "Say hello in Spanish."]
-TOKENS_PER_WORD = 1.05  # SmolLM2's tokenizer on WORDS; long prompts aim below the context limit
 
 
 @events.init_command_line_parser.add_listener
@@ -162,10 +159,11 @@ class LongContextUser(StreamingChatUser):
         models = self.client.get("/v1/models", headers=self.headers, name="models").json()
         max_len = models["data"][0]["max_model_len"]
         fraction = self.environment.parsed_options.long_context_fraction
-        self.num_words = int(max_len * fraction / TOKENS_PER_WORD)
+        self.num_tokens = int(max_len * fraction)
+        self.rng = random.Random()
 
     def body(self) -> dict:
-        text = " ".join(random.choice(WORDS) for _ in range(self.num_words))
+        text = filler_text(self.rng, self.num_tokens)
         return {"messages": [{"role": "user", "content": "Summarize: " + text}], "max_tokens": 16}
 
     @task
@@ -178,9 +176,7 @@ def random_image_url(size: tuple[int, int] | None = None) -> str:
 
     size = size or (random.randint(64, 640), random.randint(64, 640))
     image = Image.effect_mandelbrot(size, (-2.0, -1.2, 0.8, 1.2), random.randint(20, 100))
-    buffer = io.BytesIO()
-    image.convert("RGB").save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    return data_url(encode(image.convert("RGB"), "PNG"))
 
 
 @events.quitting.add_listener

@@ -1,7 +1,7 @@
-"""Load shapes for loadtest/locustfile.py, picked with `--profile` (add this file after the
-locustfile: `locust -f loadtest/locustfile.py,loadtest/shapes.py --profile spike ...`).
+"""Load shapes for loadtest/locustfile.py, picked with `--load-shape` (add this file after the
+locustfile: `locust -f loadtest/locustfile.py,loadtest/shapes.py --load-shape spike ...`).
 
-`-u` is the peak user count and `--profile-seconds` the length of the run:
+`-u` is the peak user count and `--shape-seconds` the length of the run:
 - steady: all users for the whole run;
 - ramp:   10% of the users, rising linearly to 100% over 80% of the run, then held;
 - spike:  20% of the users, 100% from 30% to 50% of the run, back to 20%;
@@ -20,9 +20,10 @@ CHAT = [InteractiveChat, MultimodalChat]
 
 @events.init_command_line_parser.add_listener
 def add_options(parser):
-    parser.add_argument("--profile", choices=["steady", "ramp", "spike", "mixed"],
+    # Not --profile: Locust has its own option of that name.
+    parser.add_argument("--load-shape", choices=["steady", "ramp", "spike", "mixed"],
                         default="steady", help="load shape (loadtest/shapes.py)")
-    parser.add_argument("--profile-seconds", type=float, default=60.0,
+    parser.add_argument("--shape-seconds", type=float, default=60.0,
                         help="length of the shaped run in seconds")
 
 
@@ -44,9 +45,9 @@ class ProfileShape(LoadTestShape):
 
     def tick(self):
         options = self.runner.environment.parsed_options
-        t = self.get_run_time() / options.profile_seconds
+        t = self.get_run_time() / options.shape_seconds
         if t >= 1.0:
             return None
-        users, classes = stages(options.profile, t, options.num_users or 1)
+        users, classes = stages(options.load_shape, t, options.num_users or 1)
         # Spawn fast enough to reach each stage within a second or two.
         return users, max(1.0, users / 2), classes

@@ -126,3 +126,11 @@ def test_lanes_off_needs_no_priority_scheduling():
     cfg = AppConfig.model_validate({"router": {"lanes": {"enabled": False}},
                                     "language_model": {"engine": {"scheduling_policy": "fcfs"}}})
     assert list(cfg.router.lanes.active()) == ["fifo"]
+
+
+def test_image_preprocessor_defaults_are_the_preprocessing_defaults():
+    from deployments.preprocess import preprocess_config
+    from pipeline.config import ImagePreprocessorConfig
+    from pipeline.vision.preprocess import PreprocessConfig
+
+    assert preprocess_config(ImagePreprocessorConfig()) == PreprocessConfig()

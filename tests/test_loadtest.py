@@ -5,16 +5,17 @@ from __future__ import annotations
 import csv
 import subprocess
 import sys
+import time
 from pathlib import Path
-
 
 REPO = Path(__file__).resolve().parent.parent
 LOCUST = Path(sys.executable).with_name("locust")
+LOCUSTFILE = "loadtest/locustfile.py"
 
 
-
-def locust(server, out: Path, run_s: int, users: int, classes: list[str], *extra: str):
-    cmd = [str(LOCUST), "-f", str(REPO / "loadtest" / "locustfile.py"), "--headless",
+def locust(server, out: Path, run_s: int, users: int, classes: list[str], *extra: str,
+           files: str = LOCUSTFILE):
+    cmd = [str(LOCUST), "-f", files, "--headless",
            "-u", str(users), "-r", str(users), "-t", f"{run_s}s", "--stop-timeout", "60",
            "--host", server.base_url, "--csv", str(out / "run"), "--html", str(out / "report.html"),
            "--only-summary", *extra, *classes]
@@ -47,3 +48,14 @@ def test_a_broken_threshold_sets_the_exit_code(server, tmp_path):
     run = locust(server, tmp_path, 6, 1, ["InteractiveChat"], "--max-ttft-p99-ms", "0.001")
     assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
     assert "threshold failed: TTFT p99 interactive" in run.stdout + run.stderr
+
+
+def test_load_shape_drives_the_run_and_ends_it(server, tmp_path):
+    """The spike shape (loadtest/shapes.py) sets the users and stops the run after
+    --shape-seconds, well before -t."""
+    began = time.monotonic()
+    run = locust(server, tmp_path, 120, 2, ["InteractiveChat"], "--load-shape", "spike",
+                 "--shape-seconds", "8", files=f"{LOCUSTFILE},loadtest/shapes.py")
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert time.monotonic() - began < 90, "the shape did not end the run (-t is 120 s)"
+    assert int(stats_rows(tmp_path)[("TTFT", "interactive")]["Request Count"]) > 0

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 import pipeline.vision.embedded_encoder
 import pipeline.vision.moonvit
+from kernels.checks import relative_rms
 from pipeline.vision.embedded_encoder import (
     embedded_encoder_config,
     load_embedded_encoder,
@@ -40,10 +41,6 @@ SMALL = MoonViTConfig(vt_hidden_size=64, vt_num_attention_heads=2, qkv_hidden_si
 # [1, 8, 6] is the table's own size (no interpolation); [2, 4, 4] is a 2-frame video (time table,
 # frame pooling); the rest are resized up or down.
 GRIDS = [[1, 4, 6], [1, 8, 6], [1, 2, 2], [2, 4, 4], [1, 10, 14]]
-
-
-def relative_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual - expected).pow(2).mean().sqrt() / expected.pow(2).mean().sqrt()).item()
 
 
 def small_model(seed: int = 0, backend: str = "auto") -> MoonViT:

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import doctest
 import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from kernels.checks import relative_rms, run_interpreted
 from kernels.mxfp4 import naive
 from kernels.mxfp4.naive import dequantize, matmul, quantize
 
@@ -31,11 +28,6 @@ def one_block(*values: float) -> torch.Tensor:
 def codes_of(blocks: torch.Tensor) -> list[int]:
     """The 4-bit codes of a packed [..., 16] row, unpacked by hand: low nibble first."""
     return [nibble for byte in blocks.flatten().tolist() for nibble in (byte & 0xF, byte >> 4)]
-
-
-def relative_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    error = actual.float() - expected.float()
-    return (error.pow(2).mean().sqrt() / expected.float().pow(2).mean().sqrt()).item()
 
 
 def test_docstring_examples_run():
@@ -225,13 +217,7 @@ def run_triton_cases() -> dict:
 @pytest.fixture(scope="module")
 def triton_results() -> dict:
     pytest.importorskip("triton", reason="triton is not installed; the Triton fast path cannot be tested")
-    repo = Path(__file__).resolve().parent.parent
-    python_path = [str(repo), *filter(None, [os.environ.get("PYTHONPATH")])]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(python_path)}
-    child = subprocess.run([sys.executable, __file__], env=env, cwd=repo, capture_output=True, text=True,
-                           timeout=300)
-    assert child.returncode == 0, f"TRITON_INTERPRET=1 child failed:\n{child.stderr[-4000:]}"
-    return json.loads(child.stdout.splitlines()[-1])
+    return run_interpreted(__file__)
 
 
 def test_triton_kernels_run_in_the_interpreter(triton_results):

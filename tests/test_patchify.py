@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import doctest
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from kernels.checks import relative_rms, run_interpreted
 from kernels.patchify import naive
 from kernels.patchify.naive import patchify
 
@@ -24,11 +21,6 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 def random_pixels(height: int, width: int, seed: int) -> torch.Tensor:
     """uint8 [H, W, 3] covering all 256 values."""
     return torch.randint(0, 256, (height, width, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
-
-
-def relative_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    error = actual.float() - expected.float()
-    return (error.pow(2).mean().sqrt() / expected.float().pow(2).mean().sqrt()).item()
 
 
 def loop_patchify(pixels: torch.Tensor, grid_hw: tuple[int, int], mean, std, patch: int = 14) -> torch.Tensor:
@@ -131,13 +123,7 @@ def run_triton_cases() -> dict:
 @pytest.fixture(scope="module")
 def triton_results() -> dict:
     pytest.importorskip("triton", reason="triton is not installed; the Triton fast path cannot be tested")
-    repo = Path(__file__).resolve().parent.parent
-    python_path = [str(repo), *filter(None, [os.environ.get("PYTHONPATH")])]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(python_path)}
-    child = subprocess.run([sys.executable, __file__], env=env, cwd=repo, capture_output=True, text=True,
-                           timeout=300, check=False)
-    assert child.returncode == 0, f"TRITON_INTERPRET=1 child failed:\n{child.stderr[-4000:]}"
-    return json.loads(child.stdout.splitlines()[-1])
+    return run_interpreted(__file__)
 
 
 def test_triton_kernel_runs_in_the_interpreter(triton_results):

@@ -5,25 +5,17 @@ from __future__ import annotations
 
 import doctest
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from kernels.checks import relative_rms, run_interpreted
 from kernels.vision_attention import naive, sdpa, select_backend, varlen_attention
 from kernels.vision_attention.naive import cu_seqlens_from_grid_thw, rope_2d_cos_sin
 
 # Sequence lengths 1, 63 and 200 packed: below, straddling and well past a 64-row tile.
 GRIDS = [[1, 1, 1], [1, 7, 9], [1, 10, 20]]
 HEAD_DIM = 128  # MoonViT-V2: qkv_hidden_size 1536 / 12 heads
-
-
-def relative_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    error = actual.float() - expected.float()
-    return (error.pow(2).mean().sqrt() / expected.float().pow(2).mean().sqrt()).item()
 
 
 def packed_qkv(grids: list[list[int]], heads: int, head_dim: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -134,13 +126,7 @@ def run_triton_cases() -> dict:
 @pytest.fixture(scope="module")
 def triton_results() -> dict:
     pytest.importorskip("triton", reason="triton is not installed; the Triton fast path cannot be tested")
-    repo = Path(__file__).resolve().parent.parent
-    python_path = [str(repo), *filter(None, [os.environ.get("PYTHONPATH")])]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(python_path)}
-    child = subprocess.run([sys.executable, __file__], check=False, env=env, cwd=repo, capture_output=True, text=True,
-                           timeout=300)
-    assert child.returncode == 0, f"TRITON_INTERPRET=1 child failed:\n{child.stderr[-4000:]}"
-    return json.loads(child.stdout.splitlines()[-1])
+    return run_interpreted(__file__)
 
 
 def test_triton_kernel_runs_in_the_interpreter(triton_results):

@@ -13,13 +13,11 @@ tolerance, 1 if any is not, 2 without a CUDA device.
 
 from __future__ import annotations
 
-import json
-import statistics
 import sys
-from typing import Callable
 
 import torch
 
+from kernels.checks import gpu_check_main, relative_rms, time_ms
 from kernels.mxfp4 import naive
 
 # (M, N, K): tile edges everywhere; a gpt-oss-sized decode step; a prefill-sized batch.
@@ -27,19 +25,6 @@ SHAPES = [(63, 781, 1824), (1, 2880, 2880), (512, 5760, 2880)]
 # fp32: products are exact, only the summation order differs from torch.
 # bf16: one rounding of each output, at most 2**-8 relative.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2.0**-8}
-
-
-def time_ms(fn: Callable[[], object], warmup: int = 3, iters: int = 20) -> float:
-    """Median milliseconds of fn on the current CUDA stream."""
-    for _ in range(warmup):
-        fn()
-    events = [tuple(torch.cuda.Event(enable_timing=True) for _ in range(2)) for _ in range(iters)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
 def prepare_case(m: int, n: int, k: int, dtype: torch.dtype, device: str) -> tuple[torch.Tensor, ...]:
@@ -55,16 +40,16 @@ def check_numerics(mxfp4_triton, x: torch.Tensor, blocks: torch.Tensor, scales: 
     poisoned = torch.full(expected.shape, float("nan"), dtype=x.dtype, device=x.device)
     actual = mxfp4_triton.matmul(x, blocks, scales, out=poisoned).float()
     error = actual - expected
-    relative_rms = (error.pow(2).mean().sqrt() / expected.pow(2).mean().sqrt()).item()
+    rel_rms = relative_rms(actual, expected)
     dequantized = mxfp4_triton.dequantize(blocks, scales, x.dtype)
     dequantize_bit_exact = torch.equal(dequantized, naive.dequantize(blocks, scales, x.dtype))
     unwritten = int(actual.isnan().sum())
     return {
         "max_abs_error": error.abs().max().item(),
-        "relative_rms": relative_rms,
+        "relative_rms": rel_rms,
         "unwritten": unwritten,
         "dequantize_bit_exact": dequantize_bit_exact,
-        "passed": relative_rms <= TOLERANCE[x.dtype] and unwritten == 0 and dequantize_bit_exact,
+        "passed": rel_rms <= TOLERANCE[x.dtype] and unwritten == 0 and dequantize_bit_exact,
     }
 
 
@@ -82,20 +67,11 @@ def run_case(mxfp4_triton, m: int, n: int, k: int, dtype: torch.dtype) -> dict:
             **numerics, **time_case(mxfp4_triton, x, blocks, scales)}
 
 
-def main() -> int:
-    if not __package__:
-        print("run as `python -m kernels.mxfp4.gpu_check` from the repository root", file=sys.stderr)
-        return 2
-    if not torch.cuda.is_available():
-        print(json.dumps({"error": "no CUDA device; this check needs a GPU"}))
-        return 2
+def run_cases() -> list[dict]:
     from kernels.mxfp4 import triton as mxfp4_triton
 
-    cases = [run_case(mxfp4_triton, *shape, dtype) for shape in SHAPES for dtype in TOLERANCE]
-    passed = all(case["passed"] for case in cases)
-    print(json.dumps({"device": torch.cuda.get_device_name(), "passed": passed, "cases": cases}, indent=2))
-    return 0 if passed else 1
+    return [run_case(mxfp4_triton, *shape, dtype) for shape in SHAPES for dtype in TOLERANCE]
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(gpu_check_main(__package__, run_cases))

@@ -13,13 +13,11 @@ every case is bit-exact and fully written, 1 if any is not, 2 without a CUDA dev
 
 from __future__ import annotations
 
-import json
-import statistics
 import sys
-from collections.abc import Callable
 
 import torch
 
+from kernels.checks import gpu_check_main, time_ms
 from kernels.patchify import naive
 
 # (H, W) of resized images: odd sides; 4000x3000 after the NaViT resize; the largest NaViT image.
@@ -27,19 +25,6 @@ SIZES = [(1823, 781), (1554, 2073), (7168, 7168)]
 DTYPES = [torch.float32, torch.bfloat16]
 MEAN = (0.48145466, 0.4578275, 0.40821073)  # uneven constants catch channel mix-ups
 STD = (0.26862954, 0.26130258, 0.27577711)
-
-
-def time_ms(fn: Callable[[], object], warmup: int = 3, iters: int = 20) -> float:
-    """Median milliseconds of fn on the current CUDA stream."""
-    for _ in range(warmup):
-        fn()
-    events = [tuple(torch.cuda.Event(enable_timing=True) for _ in range(2)) for _ in range(iters)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
 def grid_for(height: int, width: int, factor: int = 28) -> tuple[int, int]:
@@ -65,20 +50,11 @@ def run_case(patchify_triton, height: int, width: int, dtype: torch.dtype) -> di
             "triton_gb_per_s": moved_bytes / triton_ms / 1e6}
 
 
-def main() -> int:
-    if not __package__:
-        print("run as `python -m kernels.patchify.gpu_check` from the repository root", file=sys.stderr)
-        return 2
-    if not torch.cuda.is_available():
-        print(json.dumps({"error": "no CUDA device; this check needs a GPU"}))
-        return 2
+def run_cases() -> list[dict]:
     from kernels.patchify import triton as patchify_triton
 
-    cases = [run_case(patchify_triton, *size, dtype) for size in SIZES for dtype in DTYPES]
-    passed = all(case["passed"] for case in cases)
-    print(json.dumps({"device": torch.cuda.get_device_name(), "passed": passed, "cases": cases}, indent=2))
-    return 0 if passed else 1
+    return [run_case(patchify_triton, *size, dtype) for size in SIZES for dtype in DTYPES]
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(gpu_check_main(__package__, run_cases))

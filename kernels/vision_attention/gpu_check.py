@@ -16,13 +16,11 @@ Exit status: 0 if every case is within tolerance, 1 if any is not, 2 without a G
 
 from __future__ import annotations
 
-import json
-import statistics
 import sys
-from collections.abc import Callable
 
 import torch
 
+from kernels.checks import gpu_check_main, relative_rms, time_ms
 from kernels.vision_attention import naive, sdpa
 from kernels.vision_attention.naive import cu_seqlens_from_grid_thw, rope_2d_cos_sin
 
@@ -34,24 +32,6 @@ GRIDS = {"odd": [[1, 1, 1], [1, 7, 9], [1, 10, 20], [1, 64, 64]], "8x448px": [[1
 # each rounded to bf16 once (2**-9 relative each).
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 MODEL_TOLERANCE = 2e-2  # 27 bf16 layers, two attention paths that round differently
-
-
-def time_ms(fn: Callable[[], object], warmup: int = 3, iters: int = 20) -> float:
-    """Median milliseconds of fn on the current CUDA stream."""
-    for _ in range(warmup):
-        fn()
-    events = [tuple(torch.cuda.Event(enable_timing=True) for _ in range(2)) for _ in range(iters)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events)
-
-
-def relative_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    error = actual.float() - expected.float()
-    return (error.pow(2).mean().sqrt() / expected.float().pow(2).mean().sqrt()).item()
 
 
 def prepare_case(grids: list[list[int]], dtype: torch.dtype) -> tuple:
@@ -105,21 +85,12 @@ def run_model_case() -> dict:
             "passed": error <= MODEL_TOLERANCE and bool(results["triton"].isfinite().all())}
 
 
-def main() -> int:
-    if not __package__:
-        print("run as `python -m kernels.vision_attention.gpu_check` from the repository root", file=sys.stderr)
-        return 2
-    if not torch.cuda.is_available():
-        print(json.dumps({"error": "no CUDA/ROCm device; this check needs a GPU"}))
-        return 2
+def run_cases() -> list[dict]:
     from kernels.vision_attention import triton as vision_triton
 
-    cases = [run_kernel_case(vision_triton, name, dtype) for name in GRIDS for dtype in TOLERANCE]
-    cases.append(run_model_case())
-    passed = all(case["passed"] for case in cases)
-    print(json.dumps({"device": torch.cuda.get_device_name(), "passed": passed, "cases": cases}, indent=2))
-    return 0 if passed else 1
+    kernel_cases = [run_kernel_case(vision_triton, name, dtype) for name in GRIDS for dtype in TOLERANCE]
+    return kernel_cases + [run_model_case()]
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(gpu_check_main(__package__, run_cases))

@@ -1,5 +1,6 @@
-"""Inputs that must never produce a 5xx: broken and odd images (made with Pillow) and malformed
-request bodies. Used by `moonserve bench reliability` and by the test suite.
+"""Request inputs for benchmarks, load tests and the test suite: filler text of a known token
+length, and inputs that must never produce a 5xx: broken and odd images (made with Pillow) and
+malformed request bodies.
 
 Example:
     >>> for name, (url, expect) in image_corpus().items(): ...   # expect: "400" or "ok"
@@ -9,8 +10,18 @@ from __future__ import annotations
 
 import base64
 import io
+import random
 
 from PIL import Image
+
+WORDS = ("river stone lantern orbit velvet harbor copper meadow signal canyon ember quartz "
+         "willow falcon prism tide cedar glacier nickel saffron").split()
+TOKENS_PER_WORD = 1.05  # SmolLM2's tokenizer on WORDS (measured: 1,000 words -> 1,050 tokens)
+
+
+def filler_text(rng: random.Random, approx_tokens: int) -> str:
+    """About `approx_tokens` tokens of WORDS in random order (which defeats the prefix cache)."""
+    return " ".join(rng.choice(WORDS) for _ in range(int(approx_tokens / TOKENS_PER_WORD)))
 
 
 def encode(image: Image.Image, fmt: str, **kwargs) -> bytes:

@@ -24,12 +24,9 @@ from pathlib import Path
 import aiohttp
 
 from pipeline.bench.client import percentile, stream_chat
+from pipeline.bench.corpus import filler_text
 from pipeline.config import DEFAULT_CONFIG, AppConfig, load_app_config
 from pipeline.launch import ServerProcess
-
-WORDS = ("river stone lantern orbit velvet harbor copper meadow signal canyon ember quartz "
-         "willow falcon prism tide cedar glacier nickel saffron").split()
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="config with lanes on")
@@ -43,11 +40,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--long-max-tokens", type=int, default=32)
     parser.add_argument("--port", type=int, default=8031)
     parser.add_argument("--out", default="bench-lanes.json")
-
-
-def long_prompt(rng: random.Random, approx_tokens: int) -> str:
-    # ~1.05 SmolLM2 tokens per word for these words; random order defeats the prefix cache.
-    return " ".join(rng.choice(WORDS) for _ in range(int(approx_tokens / 1.05)))
 
 
 def chat_body(model: str, content: str, max_tokens: int) -> dict:
@@ -66,7 +58,7 @@ class Workload:
         return chat_body(self.model, "Name three colors.", 8)
 
     def long(self) -> dict:
-        text = "Summarize these words: " + long_prompt(self.rng, self.long_tokens)
+        text = "Summarize these words: " + filler_text(self.rng, self.long_tokens)
         return chat_body(self.model, text, self.long_max_tokens)
 
 

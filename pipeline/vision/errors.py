@@ -1,6 +1,6 @@
 """`ImageError`: why one image part of a request was refused, in words a user can act on.
 
-The router turns it into a 400 (413 for size limits) whose message is the part's location followed
+The router turns it into a 400 (size limits too, as the API promises) whose message is the part's location followed
 by `reason`, e.g. ``messages[0].content[1]: truncated image file``.
 """
 
@@ -26,8 +26,3 @@ class ImageError(ValueError):
         super().__init__(reason)
         self.reason = reason
         self.code = code
-
-    @property
-    def is_size_limit(self) -> bool:
-        """True for a limit on bytes or pixels (the router answers 413 for these)."""
-        return self.code == IMAGE_TOO_LARGE
