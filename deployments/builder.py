@@ -13,6 +13,7 @@ Example:
 from ray import serve
 from ray.serve import Application
 
+from deployments.draft import DraftService
 from deployments.language_model import LanguageModel
 from deployments.preprocess import ImagePreprocessor
 from deployments.router import Router
@@ -22,6 +23,7 @@ from pipeline.config import (
     EMBEDDED_MODEL,
     AppConfig,
     DeploymentOptions,
+    DraftConfig,
     LanguageModelConfig,
     RouterConfig,
     VisionConfig,
@@ -103,12 +105,34 @@ def bind_vision(vision: VisionConfig, lm_path: str) -> tuple[Application, Applic
     return preprocessor, encoder
 
 
+def resolve_draft_model_path(config: DraftConfig, lm_path: str) -> str:
+    """The DSpark drafter's weights (`embedded`: built from the embedded target). The service gets
+    them whichever drafter starts active, so `set_drafter` can switch at run time."""
+    if config.model != EMBEDDED_MODEL:
+        return config.model
+    from pipeline.embedded import prepare_drafter
+
+    return str(prepare_drafter(lm_path))
+
+
+def bind_draft_service(config: DraftConfig, lm_path: str) -> Application:
+    return serve.deployment(
+        DraftService, name="DraftService", **cpu_options(config.deployment, config.num_gpus),
+    ).bind(config, resolve_draft_model_path(config, lm_path), lm_path)
+
+
+def bind_language_model(config: LanguageModelConfig, model_path: str,
+                        draft: DraftConfig) -> Application:
+    draft_service = bind_draft_service(draft, model_path) if draft.mode == "service" else None
+    return serve.deployment(
+        LanguageModel, name="LanguageModel", **language_model_options(config)
+    ).bind(config, model_path, draft, draft_service)
+
+
 def build_app(args: AppConfig) -> Application:
-    """Router (ingress) -> [ImagePreprocessor -> VisionEncoder] -> LanguageModel."""
+    """Router (ingress) -> [ImagePreprocessor -> VisionEncoder] -> LanguageModel [<- DraftService]."""
     model_path = resolve_model_path(args.language_model)
-    language_model = serve.deployment(
-        LanguageModel, name="LanguageModel", **language_model_options(args.language_model)
-    ).bind(args.language_model, model_path)
+    language_model = bind_language_model(args.language_model, model_path, args.draft)
     trust = args.language_model.engine.trust_remote_code
     if args.vision is None:
         return bind_router(args.router, language_model, model_path, trust_remote_code=trust)

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.config import EngineConfig, LanguageModelConfig
+from pipeline.config import DraftConfig, EngineConfig, LanguageModelConfig
 from pipeline.protocol import GenerateRequest, GenerationDelta, ModelInfo, SamplingSpec
 
 logger = logging.getLogger("moonserve.language_model")
@@ -27,10 +28,14 @@ logger = logging.getLogger("moonserve.language_model")
 
 @dataclass
 class EngineLoad:
-    """Latest scheduler counts reported by the engine core (updated every engine step)."""
+    """Scheduler counts reported by the engine core (updated every engine step)."""
 
     num_running: int = 0
     num_waiting: int = 0
+    # Speculative decoding totals since start (vLLM's spec_decode counters).
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 def load_logger_factory(load: EngineLoad):
@@ -45,6 +50,11 @@ def load_logger_factory(load: EngineLoad):
             if scheduler_stats is not None:
                 load.num_running = scheduler_stats.num_running_reqs
                 load.num_waiting = scheduler_stats.num_waiting_reqs
+                spec = scheduler_stats.spec_decoding_stats
+                if spec is not None:
+                    load.num_drafts += spec.num_drafts
+                    load.num_draft_tokens += spec.num_draft_tokens
+                    load.num_accepted_tokens += spec.num_accepted_tokens
 
         def log_engine_initialized(self):
             pass
@@ -61,7 +71,7 @@ def executor_backend(engine: EngineConfig) -> str | None:
     return "mp" if current_platform.is_cpu() else "ray"
 
 
-def engine_args(engine: EngineConfig, model_path: str):
+def engine_args(engine: EngineConfig, model_path: str, draft: DraftConfig | None = None):
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     return AsyncEngineArgs(
@@ -85,6 +95,7 @@ def engine_args(engine: EngineConfig, model_path: str):
         gpu_memory_utilization=engine.gpu_memory_utilization,
         trust_remote_code=engine.trust_remote_code,
         enable_prompt_embeds=engine.enable_prompt_embeds,
+        speculative_config=draft.speculative_config() if draft is not None else None,
         disable_log_stats=False,
     )
 
@@ -133,17 +144,40 @@ def sampling_params(spec: SamplingSpec):
     )
 
 
-class LanguageModel:
-    """One vLLM engine. `generate` streams `GenerationDelta`s; cancelling it aborts the request."""
+def start_draft_resolver(draft: DraftConfig, draft_service):
+    """With `draft.mode: service`: where vLLM's proposer asks for the DraftService's address,
+    named to the engine's workers by environment variables (they inherit this process's)."""
+    if draft.mode != "service":
+        return None
+    if draft_service is None:
+        raise ValueError("draft.mode is service but no DraftService handle was bound")
+    from pipeline.speculative.endpoint import EndpointResolver
+    from pipeline.speculative.proposer import ENV_DEADLINE_MS, ENV_SOCKET
 
-    def __init__(self, config: LanguageModelConfig, model_path: str):
+    resolver = EndpointResolver(draft_service, draft.service_timeout_s)
+    resolver.start()
+    os.environ[ENV_SOCKET] = resolver.path
+    os.environ[ENV_DEADLINE_MS] = str(draft.deadline_ms)
+    return resolver
+
+
+class LanguageModel:
+    """One vLLM engine. `generate` streams `GenerationDelta`s; cancelling it aborts the request.
+
+    `draft` picks speculative decoding (pipeline.config.DraftConfig); with `mode: service`,
+    `draft_service` is the DraftService handle the engine's proposer drafts through.
+    """
+
+    def __init__(self, config: LanguageModelConfig, model_path: str,
+                 draft: DraftConfig | None = None, draft_service=None):
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
         self.config = config
         self.load = EngineLoad()
+        self.resolver = start_draft_resolver(draft, draft_service) if draft is not None else None
         self.engine = AsyncLLM.from_engine_args(
-            engine_args(config.engine, model_path),
+            engine_args(config.engine, model_path, draft),
             # vLLM's own metrics (vllm:* -> ray_vllm_*) through Ray's metrics agent.
             stat_loggers=[load_logger_factory(self.load), RayPrometheusStatLogger],
         )
@@ -212,6 +246,9 @@ class LanguageModel:
             "num_unfinished_requests": self.engine.get_num_unfinished_requests(),
             "num_running": self.load.num_running,
             "num_waiting": self.load.num_waiting,
+            "num_drafts": self.load.num_drafts,
+            "num_draft_tokens": self.load.num_draft_tokens,
+            "num_accepted_tokens": self.load.num_accepted_tokens,
         }
 
     async def check_health(self) -> None:
@@ -223,3 +260,7 @@ class LanguageModel:
         if engine is not None:
             engine.shutdown()
             self.engine = None
+        resolver = getattr(self, "resolver", None)
+        if resolver is not None:
+            resolver.close()
+            self.resolver = None

@@ -1,11 +1,12 @@
 """`moonserve` command line: prepare, serve, bench, plan, check-checkpoint.
 
-    moonserve prepare                      # build the embedded LM + vision encoder (idempotent)
+    moonserve prepare                      # build the embedded LM, vision encoder, drafter
     moonserve serve [--config FILE]        # local Ray + app on 127.0.0.1:8000, dashboard :8265
     moonserve bench overhead [--out FILE]  # pipeline vs vLLM's own OpenAI server, JSON results
     moonserve bench lanes [--out FILE]     # interactive TTFT under long-context load, lanes vs FIFO
     moonserve bench vision [--out FILE]    # preprocess vs vLLM, packed vs loop encoder, image TTFT
     moonserve bench reliability [--out FILE]  # 5x overload: sent/completed/rejected/lost; recovery
+    moonserve bench speculative [--out FILE]  # decode tok/s: no spec, vLLM ngram, DraftService arms
     moonserve plan [--json]                # capacity of Kimi K3.1 Pro on 8x MI355X
     moonserve plan --checkpoint PATH       # ... with the weights measured in a checkpoint
     moonserve check-checkpoint PATH [--json] [--tp 8]  # preflight a checkpoint from its headers
@@ -21,11 +22,12 @@ from pipeline.config import DEFAULT_CONFIG
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from pipeline.embedded import prepare_language_model, prepare_vision_encoder
+    from pipeline.embedded import prepare_drafter, prepare_language_model, prepare_vision_encoder
 
     lm_path = prepare_language_model(progress=not args.quiet)
     print(lm_path)
     print(prepare_vision_encoder(lm_path))
+    print(prepare_drafter(lm_path))
     return 0
 
 
@@ -59,7 +61,8 @@ def bench_module(name: str):
 
 
 BENCHMARKS = {"overhead": bench_module("overhead"), "lanes": bench_module("lanes"),
-              "vision": bench_module("vision"), "reliability": bench_module("reliability")}
+              "vision": bench_module("vision"), "reliability": bench_module("reliability"),
+              "speculative": bench_module("speculative")}
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -155,8 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moonserve", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    prepare = sub.add_parser("prepare", help="build the embedded LM checkpoint and the embedded "
-                             "(random-weight) vision encoder under "
+    prepare = sub.add_parser("prepare", help="build the embedded LM checkpoint, the embedded "
+                             "(random-weight) vision encoder and the embedded DSpark drafter under "
                              "$MOONSERVE_HOME (default ~/.cache/moonserve); idempotent")
     prepare.add_argument("--quiet", action="store_true", help="no progress bar")
     prepare.set_defaults(func=cmd_prepare)

@@ -313,6 +313,67 @@ class VisionConfig(StrictModel):
     encoder: VisionEncoderConfig = VisionEncoderConfig()
 
 
+class DraftSessionsConfig(StrictModel):
+    """Bounds on the DraftService's per-request contexts (least recently used evicted first)."""
+
+    max_sessions: PositiveInt = 1024
+    max_total_tokens: PositiveInt = 4_000_000
+    idle_timeout_s: PositiveFloat = 300.0
+
+
+class DraftConfig(StrictModel):
+    """Speculative decoding: where the draft tokens come from; vLLM verifies them losslessly.
+
+    - `service`: the DraftService deployment drafts (`drafter`), called every engine step by the
+      LM's proposer (`pipeline.speculative.proposer`) over a direct connection. A call that misses
+      `deadline_ms` yields no drafts for that step; the service down = no speculation.
+    - `inline`: vLLM's own in-engine method: `dspark` (weights inside the target checkpoint; GPU
+      only, production) or `ngram` (prompt lookup in the engine; the benchmark's baseline).
+    - `off`: no speculation.
+    """
+
+    mode: Literal["service", "inline", "off"] = "off"
+    drafter: Literal["ngram", "dspark"] = "ngram"
+    num_speculative_tokens: PositiveInt = 4
+    # Prompt lookup n-gram sizes (vLLM's prompt_lookup_min/max), for both ngram drafters.
+    ngram_min: PositiveInt = 2
+    ngram_max: PositiveInt = 5
+    # DSpark drafter weights (`embedded`: built by `moonserve prepare` from the embedded target).
+    model: str = EMBEDDED_MODEL
+    # Budget of one draft call as the engine step sees it; past it the step drafts nothing.
+    deadline_ms: PositiveFloat = 25.0
+    # After answering step t, draft step t+1 assuming all of step t's drafts are accepted.
+    prefetch: bool = True
+    # The LM replica's timeout on asking Serve where the DraftService is; meanwhile no drafts.
+    service_timeout_s: PositiveFloat = 2.0
+    sessions: DraftSessionsConfig = DraftSessionsConfig()
+    num_gpus: float = Field(0.0, ge=0)
+    deployment: DeploymentOptions = DeploymentOptions(max_ongoing_requests=64)
+
+    @model_validator(mode="after")
+    def _coherent(self) -> DraftConfig:
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"draft.ngram_min ({self.ngram_min}) is over draft.ngram_max "
+                             f"({self.ngram_max})")
+        if self.mode == "service" and self.deployment.max_replicas() != 1:
+            raise ValueError("draft.deployment: the DraftService keeps each request's context in "
+                             "its replica, so it runs exactly one replica (num_replicas: 1)")
+        return self
+
+    def speculative_config(self) -> dict | None:
+        """vLLM's `speculative_config` for this mode (None: off)."""
+        k = self.num_speculative_tokens
+        if self.mode == "off":
+            return None
+        if self.mode == "service":
+            return {"method": "custom_class", "num_speculative_tokens": k,
+                    "model": "pipeline.speculative.proposer.ServiceProposer"}
+        if self.drafter == "ngram":
+            return {"method": "ngram", "num_speculative_tokens": k,
+                    "prompt_lookup_min": self.ngram_min, "prompt_lookup_max": self.ngram_max}
+        return {"method": "dspark", "num_speculative_tokens": k}
+
+
 class RouterConfig(StrictModel):
     deployment: DeploymentOptions = DeploymentOptions(max_ongoing_requests=256)
     auth: AuthConfig = AuthConfig()
@@ -338,6 +399,7 @@ class AppConfig(StrictModel):
     language_model: LanguageModelConfig = LanguageModelConfig()
     # None: text only (image parts are a 400).
     vision: VisionConfig | None = None
+    draft: DraftConfig = DraftConfig()
 
     @model_validator(mode="after")
     def _language_model_takes_admitted(self) -> AppConfig:
@@ -358,6 +420,11 @@ class AppConfig(StrictModel):
         if self.vision is not None and not self.language_model.engine.enable_prompt_embeds:
             raise ValueError("vision is configured but language_model.engine.enable_prompt_embeds "
                              "is false: image requests reach vLLM as prompt embeddings")
+        if self.draft.mode == "inline" and self.draft.drafter == "dspark" and \
+                self.language_model.engine.model == EMBEDDED_MODEL:
+            raise ValueError("draft.mode inline with drafter dspark needs a target checkpoint that "
+                             "ships DSpark weights (Kimi K3, GPU); the embedded model has none: "
+                             "use draft.mode service")
         return self
 
 

@@ -84,6 +84,27 @@ def prepare_vision_encoder(lm_path: Path | str | None = None, home: Path | None 
     return write_embedded_encoder(home or moonserve_home(), text_hidden_size=hidden)
 
 
+EMBEDDED_DRAFTER_NAME = "dspark-embedded"
+
+
+def prepare_drafter(lm_path: Path | str | None = None, home: Path | None = None) -> Path:
+    """The embedded DSpark drafter, built from the embedded target's embedding, LM head and a few
+    of its layers (pipeline/speculative/dspark.py says which and why); idempotent.
+
+    Not a trained drafter: its block positions after the first are weak (README "Speculative
+    decoding"); a real DSpark checkpoint goes in `draft.model`.
+    """
+    from pipeline.speculative.dspark import build_embedded_dspark
+
+    lm_dir = Path(lm_path or embedded_lm_dir(home))
+    target = (home or moonserve_home()) / "models" / EMBEDDED_DRAFTER_NAME
+    if verify_checkpoint(target):
+        return target
+    build_embedded_dspark(lm_dir, target)
+    write_manifest(target, lm_dir / "model.safetensors")  # last: a build without it is redone
+    return target
+
+
 def build_checkpoint(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
     """Dequantize the GGUF with transformers and write a float32 HF checkpoint into `out_dir`."""
     import torch

@@ -20,11 +20,16 @@ LATENCY_BOUNDARIES_S = [0.005, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
                         5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0]
 
 
+# Token counts per step (drafts per row, accepted drafts per verified row).
+COUNT_BOUNDARIES = [0.5, 1.5, 2.5, 3.5, 4.5, 5.5, 6.5, 7.5, 8.5, 12.5, 16.5]
+
+
 @dataclass(frozen=True)
 class MetricSpec:
     kind: str  # counter | gauge | histogram
     description: str
     tag_keys: tuple[str, ...] = ("lane",)
+    boundaries: tuple[float, ...] = tuple(LATENCY_BOUNDARIES_S)
 
 
 METRICS: dict[str, MetricSpec] = {
@@ -50,6 +55,25 @@ METRICS: dict[str, MetricSpec] = {
         "histogram", "VisionEncoder: one packed batch through MoonViT (observed per image).", ()),
     "moonserve_encoder_cache": MetricSpec(
         "counter", "VisionEncoder embedding cache lookups (result: hit | miss).", ("result",)),
+    "moonserve_draft_step_seconds": MetricSpec(
+        "histogram", "DraftService: drafting one engine step's batch (critical path only).",
+        ("drafter",)),
+    "moonserve_draft_call_seconds": MetricSpec(
+        "histogram", "LanguageModel: round trip of one draft call as the engine step waits for it.",
+        ()),
+    "moonserve_draft_tokens": MetricSpec(
+        "histogram", "DraftService: draft tokens proposed per request per step.", ("drafter",),
+        tuple(COUNT_BOUNDARIES)),
+    "moonserve_draft_accepted_tokens": MetricSpec(
+        "histogram", "DraftService: drafts the target accepted per verified step (acceptance "
+        "length).", ("drafter",), tuple(COUNT_BOUNDARIES)),
+    "moonserve_draft_prefetch": MetricSpec(
+        "counter", "DraftService: steps answered from a prefetch (result: hit | miss).",
+        ("drafter", "result")),
+    "moonserve_draft_fallbacks": MetricSpec(
+        "counter", "Engine steps without drafts because of the DraftService (reason: missed = "
+        "past the deadline | skipped = a call still pending or no connection | error = the "
+        "service call failed | resend = context lost by the service).", ("reason",)),
 }
 
 
@@ -62,7 +86,7 @@ def make_metric(name: str):
     if spec.kind == "gauge":
         return metrics.Gauge(name, description=spec.description, tag_keys=spec.tag_keys)
     return metrics.Histogram(name, description=spec.description, tag_keys=spec.tag_keys,
-                             boundaries=LATENCY_BOUNDARIES_S)
+                             boundaries=list(spec.boundaries))
 
 
 class RouterMetrics:

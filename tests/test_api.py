@@ -180,3 +180,15 @@ def test_client_disconnect_aborts_engine_request(server):
     while (stats := server.lm_stats())["num_running"] and time.monotonic() < deadline:
         time.sleep(0.2)
     assert stats["num_running"] == 0
+
+
+def test_seeded_long_prompt_is_reproducible_and_keeps_the_engine_alive(client):
+    # Longer than one engine step's token budget: its prefill is chunked and the sample of the
+    # partial chunk discarded, which vLLM's CPU build fails on without pipeline/vllm_plugin.py.
+    prompt = "Count the words: " + " ".join(["river stone lantern"] * 40)
+    texts = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=1.0,
+                                       seed=7).choices[0].text for _ in range(2)]
+    assert texts[0] == texts[1]
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=2)
+    assert r.choices[0].message.content

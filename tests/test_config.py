@@ -115,6 +115,12 @@ def test_serve_run_path_builds_the_app_from_the_yaml():
      "default_max_tokens (16) is over max_tokens (8)"),
     ({"router": {"lanes": {"interactive": {"max_in_flight": 0, "max_queue": 1}}}},
      "router.lanes.interactive.max_in_flight"),
+    ({"draft": {"mode": "service", "deployment": {"num_replicas": 2}}},
+     "the DraftService keeps each request's context in its replica"),
+    ({"draft": {"mode": "inline", "drafter": "dspark"}},
+     "needs a target checkpoint that ships DSpark weights"),
+    ({"draft": {"ngram_min": 6, "ngram_max": 5}}, "draft.ngram_min (6) is over draft.ngram_max (5)"),
+    ({"draft": {"mode": "sometimes"}}, "draft.mode"),
 ])
 def test_inconsistent_lane_and_limit_settings_fail_at_load(args, needle):
     with pytest.raises(ValidationError) as err:
@@ -134,3 +140,17 @@ def test_image_preprocessor_defaults_are_the_preprocessing_defaults():
     from pipeline.vision.preprocess import PreprocessConfig
 
     assert preprocess_config(ImagePreprocessorConfig()) == PreprocessConfig()
+
+
+def test_draft_modes_become_vllm_speculative_configs():
+    from pipeline.config import DraftConfig
+
+    assert DraftConfig(mode="off").speculative_config() is None
+    assert DraftConfig(mode="service", num_speculative_tokens=3).speculative_config() == {
+        "method": "custom_class", "num_speculative_tokens": 3,
+        "model": "pipeline.speculative.proposer.ServiceProposer"}
+    assert DraftConfig(mode="inline", drafter="ngram", ngram_min=2, ngram_max=4) \
+        .speculative_config() == {"method": "ngram", "num_speculative_tokens": 4,
+                                  "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    local = load_app_config(LOCAL_CONFIG).draft
+    assert (local.mode, local.drafter) == ("service", "ngram")

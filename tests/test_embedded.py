@@ -45,14 +45,16 @@ def test_prepare_reuses_a_verified_checkpoint(checkpoint):
 
 
 def test_cli_prepare_prints_the_paths(checkpoint):
+    from pipeline.embedded import EMBEDDED_DRAFTER_NAME, moonserve_home, verify_checkpoint
     from pipeline.vision.embedded_encoder import embedded_encoder_dir, verify_encoder_dir
 
     out = subprocess.run([sys.executable, "-m", "pipeline.cli", "prepare", "--quiet"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     encoder = embedded_encoder_dir()
-    assert out.stdout.split() == [str(checkpoint), str(encoder)]
-    assert verify_encoder_dir(encoder)
+    drafter = moonserve_home() / "models" / EMBEDDED_DRAFTER_NAME
+    assert out.stdout.split() == [str(checkpoint), str(encoder), str(drafter)]
+    assert verify_encoder_dir(encoder) and verify_checkpoint(drafter)
 
 
 def copy_checkpoint(checkpoint, tmp_path):

@@ -140,3 +140,62 @@ def test_killed_image_replica_spares_text_and_image_requests_recover(server, dep
     assert statuses[-1] == 200, f"image requests did not recover: {statuses}"
     print(f"\n{deployment} killed; image requests {statuses}, serving again after "
           f"{time.monotonic() - killed_at:.1f} s")
+
+
+def greedy_stream_text(base_url: str, body: dict, progress: threading.Event) -> str:
+    parts = []
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json={**body, "stream": True},
+                      timeout=httpx.Timeout(60, read=60)) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line.removeprefix("data: "))
+            assert "error" not in event, event
+            if event["choices"] and event["choices"][0]["delta"].get("content"):
+                parts.append(event["choices"][0]["delta"]["content"])
+                if len(parts) >= 8:
+                    progress.set()
+    return "".join(parts)
+
+
+def test_killed_draft_service_costs_speculation_not_tokens(server):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pipeline.bench.corpus import copy_prompts
+    from tests.test_metrics import scrape
+    from tests.test_speculative_server import draft_handle, spec_counters
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": copy_prompts(1, seed=9)[0]}],
+            "max_tokens": 160, "ignore_eos": True, "temperature": 0}
+    handle = draft_handle(server)
+    handle.set_drafter.remote("none").result()
+    reference = httpx.post(f"{server.base_url}/v1/chat/completions", json=body,
+                           timeout=120).json()["choices"][0]["message"]["content"]
+    handle.set_drafter.remote("ngram").result()
+
+    progress = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        stream = pool.submit(greedy_stream_text, server.base_url, body, progress)
+        assert progress.wait(60), "the stream did not start"
+        os.kill(replica_process(server, "DraftService").pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        text = stream.result(timeout=120)
+    assert text == reference, "tokens changed when the DraftService died mid-stream"
+
+    # Speculation resumes once Serve has replaced the replica (its sessions start empty).
+    short = {**body, "max_tokens": 24}
+    while True:
+        accepted = spec_counters(server)[1]
+        r = httpx.post(f"{server.base_url}/v1/chat/completions", json=short, timeout=60)
+        assert r.status_code == 200, r.text
+        if spec_counters(server)[1] > accepted:
+            break
+        assert time.monotonic() - killed_at < 180, "speculation did not resume"
+        time.sleep(1)
+    print(f"\nDraftService killed mid-stream: tokens unchanged; drafting again after "
+          f"{time.monotonic() - killed_at:.1f} s")
+    deadline = time.monotonic() + 60
+    while scrape().get("ray_moonserve_draft_fallbacks_total", 0) <= 0:
+        assert time.monotonic() < deadline, "no moonserve_draft_fallbacks exported"
+        time.sleep(3)

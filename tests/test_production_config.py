@@ -43,6 +43,7 @@ def test_production_config_validates_with_the_production_engine():
 
 def test_graph_has_the_four_deployments(graph):
     assert set(graph) == {"Router", "LanguageModel", "ImagePreprocessor", "VisionEncoder"}
+    # draft.mode inline: no DraftService deployment
 
 
 def test_language_model_takes_a_whole_node_of_eight_gpus(graph):
@@ -69,9 +70,27 @@ def test_image_deployments_ask_for_cpu_and_a_gpu_share(graph):
 def test_engine_arguments_reach_vllm_as_named(graph):
     from deployments.language_model import engine_args
 
-    cfg = load_app_config(PRODUCTION).language_model
-    args = engine_args(cfg.engine, cfg.engine.model)
+    app = load_app_config(PRODUCTION)
+    cfg = app.language_model
+    args = engine_args(cfg.engine, cfg.engine.model, app.draft)
     assert (args.tensor_parallel_size, args.decode_context_parallel_size) == (8, 8)
     assert (args.kv_cache_dtype, args.scheduling_policy, args.max_model_len) == \
         ("fp8", "priority", 1_048_576)
     assert args.enable_prompt_embeds and args.long_prefill_token_threshold == 2048
+    # inline: vLLM's own DSpark drafter, weights from the target checkpoint
+    assert args.speculative_config == {"method": "dspark", "num_speculative_tokens": 4}
+
+
+def test_draft_service_variant_gets_its_own_gpu():
+    from deployments.builder import build_app
+
+    app = load_app_config(PRODUCTION)
+    draft = app.draft.model_copy(update={"mode": "service", "model": "/models/k3.1-dspark"})
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MOONSERVE_API_KEYS", "sk-graph-test")
+        graph = deployments_of(build_app(app.model_copy(update={"draft": draft})))
+    service = graph["DraftService"]
+    assert service.ray_actor_options["num_gpus"] == 1
+    assert service._deployment_config.num_replicas == 1
+    lm_args = graph["LanguageModel"].init_args
+    assert lm_args[2].mode == "service" and lm_args[3] is not None  # the handle the resolver asks

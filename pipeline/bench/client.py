@@ -54,15 +54,17 @@ async def stream_chat(session: aiohttp.ClientSession, url: str, body: dict) -> R
 
 
 async def run_load(url: str, bodies: list[dict], concurrency: int) -> tuple[list[RequestResult], float]:
-    """Send every body with at most `concurrency` in flight; returns results and wall seconds."""
+    """Send every body with at most `concurrency` in flight; returns results (in the order of
+    `bodies`) and wall seconds."""
     queue: asyncio.Queue = asyncio.Queue()
-    for body in bodies:
-        queue.put_nowait(body)
-    results: list[RequestResult] = []
+    for item in enumerate(bodies):
+        queue.put_nowait(item)
+    results: list[RequestResult | None] = [None] * len(bodies)
 
     async def worker(session):
         while not queue.empty():
-            results.append(await stream_chat(session, url, queue.get_nowait()))
+            index, body = queue.get_nowait()
+            results[index] = await stream_chat(session, url, body)
 
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:

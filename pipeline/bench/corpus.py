@@ -99,3 +99,44 @@ def bad_bodies(model: str) -> list[tuple[str, bytes]]:
     raw = [(name, json.dumps(body).encode()) for name, body in cases.items()]
     return raw + [("invalid UTF-8", b'{"model": "\xff\xfe", "messages": []}'),
                   ("not JSON", b"{{{{"), ("JSON array", b"[1, 2]")]
+
+
+# Speculative decoding workloads (`moonserve bench speculative`, greedy-equivalence tests).
+RECORDS = [("Alice Moreau", "Lyon", "engineer", 34), ("Bruno Silva", "Porto", "pilot", 41),
+           ("Chen Wei", "Suzhou", "chemist", 29), ("Dana Okafor", "Lagos", "architect", 38),
+           ("Emil Novak", "Brno", "teacher", 52), ("Fatima Zahra", "Fez", "surgeon", 45),
+           ("Gustav Berg", "Malmo", "baker", 27), ("Hana Sato", "Sendai", "designer", 31)]
+COPY_TASKS = [
+    "Repeat the following text exactly, word for word:\n{text}",
+    "Rewrite the following text with every sentence on its own line, changing nothing else:\n"
+    "{text}",
+    "Copy this list of records exactly, then stop:\n{records}",
+    "Extract every line that contains a city from these records and print them unchanged:\n"
+    "{records}",
+    "Convert these records to JSON objects with keys name, city, job, age:\n{records}",
+]
+CHAT_TASKS = [
+    "Why is the sky blue? Answer in two sentences.", "Give me three tips for sleeping better.",
+    "What is a prime number?", "Write a haiku about autumn rain.",
+    "Explain what a database index is to a new programmer.", "What should I pack for a hike?",
+    "Name some famous painters and one painting by each.", "How do plants make food?",
+    "Suggest a name for a friendly robot and explain it.", "What is the capital of Japan?",
+]
+
+
+def copy_prompts(n: int, seed: int = 0) -> list[str]:
+    """`n` rewrite/extract prompts whose answers copy long spans from the prompt."""
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(n):
+        records = rng.sample(RECORDS, 5)
+        lines = "\n".join(f"{name}, {city}, {job}, {age}" for name, city, job, age in records)
+        text = " ".join(f"{name} lives in {city} and works as a {job}." for name, city, job, _
+                        in records)
+        prompts.append(COPY_TASKS[i % len(COPY_TASKS)].format(text=text, records=lines))
+    return prompts
+
+
+def chat_prompts(n: int) -> list[str]:
+    """`n` plain chat questions (little to copy from the prompt)."""
+    return [CHAT_TASKS[i % len(CHAT_TASKS)] for i in range(n)]

@@ -50,3 +50,32 @@ class Drafter(Protocol):
     def new_state(self, request_id: str) -> DrafterState:
         """Open an empty context for `request_id`."""
         ...
+
+
+class NoDrafts:
+    """A context that never proposes: speculation paused without restarting the engine."""
+
+    def __init__(self):
+        self._token_ids: list[int] = []
+
+    @property
+    def token_ids(self) -> Sequence[int]:
+        return self._token_ids
+
+    def append(self, token_ids: Sequence[int]) -> None:
+        self._token_ids.extend(token_ids)
+
+    def truncate(self, num_tokens: int) -> None:
+        del self._token_ids[num_tokens:]
+
+    def propose(self, num_speculative_tokens: int) -> list[int]:
+        return []
+
+
+class NoDrafter:
+    """`DraftService.set_drafter("none")`: every step drafts nothing (decode as without speculation)."""
+
+    name = "none"
+
+    def new_state(self, request_id: str) -> NoDrafts:
+        return NoDrafts()

@@ -15,6 +15,11 @@ becomes `context[:position] + new_token_ids`:
 Proposals are cached per (context length, num_speculative_tokens) until the context changes, so
 every rank asking at the same position gets the same drafts, even from a sampling drafter.
 
+Prefetch (PEARL's post-verify idea): after answering a step, `prefetch` drafts k + 1 tokens past
+the context PLUS the drafts just returned, as if the target accepts them all; the first of those
+k + 1 guesses the target's bonus token. When the next call brings exactly drafts + that bonus, the
+remaining k are the answer without drafting on the critical path (`stats.num_prefetch_hits`).
+
 Methods are synchronous and not thread-safe: call them from one thread (the replica's loop).
 
 Example:
@@ -107,6 +112,23 @@ class SessionStats:
     num_proposals: int = 0
     num_cached_proposals: int = 0
     num_truncations: int = 0
+    num_prefetches: int = 0
+    num_prefetch_hits: int = 0
+    num_prefetch_misses: int = 0
+
+
+@dataclass(frozen=True)
+class Prefetch:
+    """Drafts for the context `context[:num_tokens] + assumed + proposal[:1]`."""
+
+    num_tokens: int
+    assumed: tuple[int, ...]
+    proposal: tuple[int, ...]  # k + 1 tokens: the bonus guess, then the next step's drafts
+
+    def answers(self, token_ids: Sequence[int]) -> bool:
+        expected = (*self.assumed, *self.proposal[:1])
+        return len(self.proposal) > 1 and len(token_ids) == self.num_tokens + len(expected) and \
+            tuple(token_ids[self.num_tokens:]) == expected
 
 
 @dataclass
@@ -116,6 +138,7 @@ class DraftSession:
     last_used: float
     # (num_tokens, num_speculative_tokens, draft_token_ids) of the last proposal
     cached_proposal: tuple[int, int, list[int]] | None = None
+    prefetched: Prefetch | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -130,6 +153,8 @@ class DraftSessions:
     limits: SessionLimits = field(default_factory=SessionLimits)
     clock: Callable[[], float] = time.monotonic
     stats: SessionStats = field(default_factory=SessionStats)
+    # Called with the number of a proposal's drafts the next call's tokens confirm.
+    on_verified: Callable[[int], None] | None = None
     _sessions: OrderedDict[str, DraftSession] = field(
         default_factory=OrderedDict, init=False, repr=False
     )
@@ -178,6 +203,7 @@ class DraftSessions:
                 request_id, position + len(new_token_ids), self.limits.max_total_tokens
             )
         session = self._sessions.get(request_id) or self._open(request_id)
+        self._observe_verification(session, new_token_ids, position)
         self._apply(session, new_token_ids, position)
         self._touch(session)
         self._enforce_limits(keep=request_id)
@@ -193,10 +219,52 @@ class DraftSessions:
         if session.cached_proposal is not None and session.cached_proposal[:2] == key:
             self.stats.num_cached_proposals += 1
             return list(session.cached_proposal[2])
-        drafts = list(session.state.propose(num_speculative_tokens))
+        drafts = self._take_prefetch(session, num_speculative_tokens)
+        if drafts is None:
+            drafts = list(session.state.propose(num_speculative_tokens))
+            self.stats.num_proposals += 1
         session.cached_proposal = (*key, drafts)
-        self.stats.num_proposals += 1
         return list(drafts)
+
+    def prefetch(self, request_id: str) -> bool:
+        """Draft the step after the last proposal, assuming all its drafts get accepted.
+
+        False when there is nothing to prefetch (no session, no drafts, already prefetched).
+        """
+        session = self._sessions.get(request_id)
+        if session is None or not session.cached_proposal or not session.cached_proposal[2]:
+            return False
+        num_tokens, k, assumed = session.cached_proposal
+        if num_tokens != session.num_tokens or (
+                session.prefetched is not None and session.prefetched.num_tokens == num_tokens):
+            return False
+        session.state.append(assumed)
+        try:
+            proposal = tuple(session.state.propose(k + 1))
+        finally:
+            session.state.truncate(num_tokens)
+        session.prefetched = Prefetch(num_tokens, tuple(assumed), proposal)
+        self.stats.num_prefetches += 1
+        return True
+
+    def _take_prefetch(self, session: DraftSession, k: int) -> list[int] | None:
+        prefetched, session.prefetched = session.prefetched, None
+        if prefetched is None:
+            return None
+        if prefetched.answers(session.state.token_ids):
+            self.stats.num_prefetch_hits += 1
+            return list(prefetched.proposal[1:1 + k])
+        self.stats.num_prefetch_misses += 1
+        return None
+
+    def _observe_verification(self, session: DraftSession, new_token_ids: Sequence[int],
+                              position: int) -> None:
+        proposal = session.cached_proposal
+        if self.on_verified is None or proposal is None or not proposal[2] or \
+                proposal[0] != position or position != session.num_tokens or not new_token_ids:
+            return
+        # The target sends its accepted drafts, then one token of its own.
+        self.on_verified(_common_prefix_len(proposal[2], 0, new_token_ids[:-1]))
 
     def release(self, request_id: str) -> bool:
         """Forget a finished or aborted request; False when it had no session."""

@@ -1,0 +1,166 @@
+"""DraftService deployment: per-request draft contexts and the drafters (`ngram`, `dspark`).
+
+The engine's proposer sends one message per engine step with the whole batch (format in
+`pipeline.speculative.wire`) over a TCP connection to this replica's `StepServer`
+(`pipeline.speculative.endpoint`; `endpoint()` tells the LM replica where it is). Each connection
+has its own thread, the sessions are behind one lock, and right after a step is answered the same
+thread prefetches the next step (`DraftCore.prefetch`), which overlaps with the target verifying
+this one. The replica's event loop only serves Serve calls. Idle sessions are evicted every few
+seconds. The proposer's own counters arrive with each step and are exported here.
+
+Example (without Serve):
+    >>> service = DraftService(DraftConfig(mode="service"), "/path/to/dspark", "/path/to/target")
+    >>> await service.draft_step({"seq": 1, "k": 4, "rows": [["r1", 0, [1, 2, 1]]], "release": []})
+    >>> await service.endpoint()            # {"endpoint": "10.0.0.5:40123", "token": "..."}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+
+from pipeline.config import DraftConfig
+from pipeline.speculative.drafter import NoDrafter
+from pipeline.speculative.endpoint import StepServer
+from pipeline.speculative.ngram import NgramDrafter
+from pipeline.speculative.service import DraftCore, StepObservation
+from pipeline.speculative.sessions import SessionLimits
+
+logger = logging.getLogger("moonserve.draft")
+EVICT_INTERVAL_S = 5.0
+
+
+def drafter_factories(config: DraftConfig, draft_model_path: str, target_path: str) -> dict:
+    """Drafters by name, each built on first use: `ngram`, `dspark` (weights at
+    `draft_model_path`, embedding and LM head shared from the target checkpoint at `target_path`)
+    and `none` (no drafts: speculation paused)."""
+    def dspark():
+        import torch
+
+        from pipeline.speculative.dspark import DSparkDrafter, target_shared_tensors
+
+        device = "cuda" if config.num_gpus and torch.cuda.is_available() else "cpu"
+        return DSparkDrafter.from_pretrained(draft_model_path, device=device,
+                                             shared=target_shared_tensors(target_path))
+
+    return {"ngram": lambda: NgramDrafter(min_n=config.ngram_min, max_n=config.ngram_max),
+            "dspark": dspark, "none": NoDrafter}
+
+
+class DraftMetrics:
+    def __init__(self):
+        from pipeline.metrics import make_metric
+
+        names = ("moonserve_draft_step_seconds", "moonserve_draft_call_seconds",
+                 "moonserve_draft_tokens", "moonserve_draft_accepted_tokens",
+                 "moonserve_draft_prefetch", "moonserve_draft_fallbacks")
+        self.m = {name: make_metric(name) for name in names}
+
+    def proposer_stats(self, stats: dict) -> None:
+        """What the engine's proposer measured since its last step: round trips, fallbacks."""
+        for seconds in stats.get("rtt_s", ()):
+            self.m["moonserve_draft_call_seconds"].observe(seconds)
+        for reason in ("missed", "skipped"):
+            if stats.get(reason):
+                self.m["moonserve_draft_fallbacks"].inc(stats[reason], tags={"reason": reason})
+
+    def observe(self, o: StepObservation) -> None:
+        tags = {"drafter": o.drafter}
+        self.m["moonserve_draft_step_seconds"].observe(o.seconds, tags=tags)
+        for n in o.num_drafts:
+            self.m["moonserve_draft_tokens"].observe(n, tags=tags)
+        for n in o.accepted:
+            self.m["moonserve_draft_accepted_tokens"].observe(n, tags=tags)
+        for result, count in (("hit", o.prefetch_hits), ("miss", o.prefetch_misses)):
+            if count:
+                self.m["moonserve_draft_prefetch"].inc(count, tags={**tags, "result": result})
+        if o.num_resends:
+            self.m["moonserve_draft_fallbacks"].inc(o.num_resends, tags={"reason": "resend"})
+
+
+class DraftService:
+    def __init__(self, config: DraftConfig, draft_model_path: str, target_path: str):
+        import torch
+
+        # Drafting shares the node with the engine: nothing parallel inside one draft step.
+        torch.set_num_threads(1)
+        self.config = config
+        s = config.sessions
+        self.core = DraftCore(drafter_factories(config, draft_model_path, target_path),
+                              config.drafter,
+                              SessionLimits(s.max_sessions, s.max_total_tokens, s.idle_timeout_s),
+                              prefetch=config.prefetch)
+        self.lock = threading.Lock()  # the core is used by one thread at a time
+        self.metrics = DraftMetrics()
+        self.recent_rtt_s: deque[float] = deque(maxlen=4096)
+        self.steps = StepServer(self.serve_step, host=node_address())
+        self.steps.start()
+        self.evictor: asyncio.Task | None = None
+
+    def serve_step(self, message: dict):
+        """One step from a proposer connection (its own thread); prefetch runs after the reply."""
+        stats = message.pop("stats", None) or {}
+        self.recent_rtt_s.extend(stats.get("rtt_s", ()))
+        self.metrics.proposer_stats(stats)
+        with self.lock:
+            reply, observation = self.core.step(message)
+        self.metrics.observe(observation)
+        return reply, self.prefetch
+
+    def prefetch(self) -> None:
+        with self.lock:
+            self.core.prefetch()
+
+    async def endpoint(self) -> dict:
+        """Where proposers send steps: `{"endpoint": "host:port", "token": secret}`."""
+        if self.evictor is None:
+            self.evictor = asyncio.get_running_loop().create_task(self.evict_forever())
+        return self.steps.endpoint()
+
+    async def draft_step(self, message: dict) -> dict:
+        """The same step through Serve (tools and tests; the engine uses the socket)."""
+        reply, after = await asyncio.to_thread(self.serve_step, message)
+        await asyncio.to_thread(after)
+        return reply
+
+    async def set_drafter(self, name: str) -> dict:
+        """Switch drafters (all sessions restart from the next step); returns `stats()`."""
+        await asyncio.to_thread(self._locked, self.core.set_drafter, name)
+        return await self.stats()
+
+    async def set_deadline(self, deadline_ms: float | None) -> None:
+        """Tell the engines' proposers to wait up to `deadline_ms` per draft call from their next
+        step on (None: back to `draft.deadline_ms`); for a drafter slower than the configured
+        budget, e.g. the embedded DSpark drafter on CPU in tests and benchmarks."""
+        self.core.deadline_ms = deadline_ms if deadline_ms is not None else self.config.deadline_ms
+
+    async def stats(self) -> dict:
+        summary = await asyncio.to_thread(self._locked, self.core.summary)
+        rtt = sorted(self.recent_rtt_s)
+        if rtt:
+            summary |= {"call_ms_p50": 1000 * rtt[len(rtt) // 2],
+                        "call_ms_p99": 1000 * rtt[min(len(rtt) - 1, len(rtt) * 99 // 100)]}
+        return summary
+
+    async def evict_forever(self) -> None:
+        while True:
+            await asyncio.sleep(EVICT_INTERVAL_S)
+            await asyncio.to_thread(self._locked, self.core.evict_idle)
+
+    def _locked(self, fn, *args):
+        with self.lock:
+            return fn(*args)
+
+    def __del__(self):
+        steps = getattr(self, "steps", None)
+        if steps is not None:
+            steps.close()
+
+
+def node_address() -> str:
+    """This node's address in the Ray cluster (what an LM replica on another node reaches)."""
+    import ray
+
+    return ray.util.get_node_ip_address()

@@ -1,0 +1,207 @@
+"""Decode speed with and without speculative decoding, on the embedded model, all arms in one run.
+
+Arms: `off` (no speculation); `vllm_ngram` (vLLM's in-engine prompt lookup, `draft.mode: inline`);
+`service_ngram` and `service_dspark` (the DraftService, `draft.mode: service`; one engine, the
+drafter switched with `DraftService.set_drafter`). Every arm uses the same k, n-gram sizes and
+greedy requests, so all arms must produce identical text (`outputs_match_off`).
+
+Workloads: `copy` (rewrite/extract tasks whose answers copy from the prompt) and `chat` (plain
+questions). Requests run `--concurrency` at a time. Per arm and workload: decode tokens/s
+(completion tokens / wall time), per-request latency and TTFT, and from the engine and the
+service: acceptance rate (accepted / draft tokens), mean acceptance length (1 + accepted / drafts:
+tokens per verify step, as vLLM logs it) and prefetch hit rate.
+
+    moonserve bench speculative [--requests 8] [--max-tokens 96] [--out bench-speculative.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from pipeline.bench.client import percentile, run_load
+from pipeline.bench.corpus import chat_prompts, copy_prompts
+from pipeline.config import DEFAULT_CONFIG, load_app_config
+from pipeline.launch import ServerProcess
+
+ARMS = ("off", "vllm_ngram", "service_ngram", "service_dspark")
+# Engine configurations; the service arms share one engine.
+ENGINES = {"off": {"mode": "off"}, "vllm_ngram": {"mode": "inline", "drafter": "ngram"},
+           "service": {"mode": "service", "drafter": "ngram"}}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG))
+    parser.add_argument("--requests", type=int, default=8, help="requests per workload and arm")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"subset of {','.join(ARMS)}")
+    parser.add_argument("--port", type=int, default=8041)
+    parser.add_argument("--out", default="bench-speculative.json")
+
+
+def workloads(n: int) -> dict[str, list[str]]:
+    return {"copy": copy_prompts(n), "chat": chat_prompts(n)}
+
+
+def arm_config(config_path: str, draft: dict, out: Path) -> Path:
+    """A copy of the config file with the app's `draft` section overridden."""
+    data = yaml.safe_load(Path(config_path).read_text())
+    args = data["applications"][0].setdefault("args", {})
+    args["draft"] = {**args.get("draft", {}), **draft}
+    out.write_text(yaml.safe_dump(data, sort_keys=False))
+    return out
+
+
+def handles():
+    from ray import serve
+
+    lm = serve.get_deployment_handle("LanguageModel", app_name="moonserve")
+    try:
+        draft = serve.get_deployment_handle("DraftService", app_name="moonserve")
+        draft.stats.remote().result(timeout_s=30)
+    except Exception:  # noqa: BLE001 - no DraftService in this arm
+        draft = None
+    return lm, draft
+
+
+def counters(lm, draft) -> dict:
+    stats = lm.stats.remote().result()
+    out = {k: stats[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    if draft is not None:
+        s = draft.stats.remote().result()
+        out |= {"prefetch_hits": s["num_prefetch_hits"], "prefetch_misses": s["num_prefetch_misses"]}
+    return out
+
+
+def measure(base_url: str, model: str, prompts: list[str], args, lm, draft) -> dict:
+    bodies = [{"model": model, "messages": [{"role": "user", "content": p}],
+               "max_tokens": args.max_tokens, "temperature": 0} for p in prompts]
+    url = f"{base_url}/v1/chat/completions"
+    asyncio.run(run_load(url, bodies[:1], 1))  # warm-up, not counted
+    before = counters(lm, draft)
+    results, wall = asyncio.run(run_load(url, bodies, args.concurrency))
+    after = counters(lm, draft)
+    delta = {k: after[k] - before[k] for k in after}
+    tokens = sum(r.completion_tokens for r in results)
+    latencies = [r.e2e_s * 1000 for r in results]
+    drafts, drafted, accepted = (delta["num_drafts"], delta["num_draft_tokens"],
+                                 delta["num_accepted_tokens"])
+    prefetched = delta.get("prefetch_hits", 0) + delta.get("prefetch_misses", 0)
+    return {
+        "requests": len(results), "completion_tokens": tokens, "wall_s": wall,
+        "decode_tokens_per_s": tokens / wall,
+        "latency_ms_mean": statistics.fmean(latencies),
+        "latency_ms_p50": percentile(latencies, 0.5),
+        "ttft_ms_p50": percentile([r.ttft_s * 1000 for r in results], 0.5),
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+        "prefetch_hit_rate": delta["prefetch_hits"] / prefetched if prefetched else None,
+        "spec_counters": delta,
+        # round trips of draft calls as the engine step waited (the service's recent ones)
+        "draft_call_ms": {k: v for k, v in draft.stats.remote().result().items()
+                          if k.startswith("call_ms")} or None if draft is not None else None,
+        "texts": [r.text for r in results],  # in prompt order, compared across arms
+    }
+
+
+def run_engine(engine: str, arms: list[str], args, tmp: Path) -> dict[str, dict]:
+    import ray
+
+    config_file = arm_config(args.config, ENGINES[engine], tmp / f"{engine}.yaml")
+    model = load_app_config(config_file).language_model.engine.model_name()
+    cmd = [sys.executable, "-m", "pipeline.cli", "serve", "--config", str(config_file),
+           "--port", str(args.port), "--dashboard-port", str(args.port + 150)]
+    results = {}
+    with ServerProcess(cmd, f"http://127.0.0.1:{args.port}/health", tmp / f"{engine}.log",
+                       start_timeout_s=600) as server:
+        ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+        try:
+            lm, draft = handles()
+            for arm in arms:
+                if arm.startswith("service_"):
+                    draft.set_drafter.remote(arm.removeprefix("service_")).result()
+                results[arm] = {name: measure(server.base_url, model, prompts, args, lm, draft)
+                                for name, prompts in workloads(args.requests).items()}
+        finally:
+            ray.shutdown()
+    return results
+
+
+def run_engine_in_child(engine: str, arms: list[str], args, tmp: Path) -> dict[str, dict]:
+    """`run_engine` in a fresh process: Serve's client state does not survive one Ray cluster
+    being replaced by the next within a process."""
+    import multiprocessing
+
+    out = tmp / f"{engine}.json"
+    child = multiprocessing.get_context("spawn").Process(
+        target=_run_engine_to_file, args=(engine, arms, args, tmp, out))
+    child.start()
+    child.join()
+    if child.exitcode != 0:
+        raise RuntimeError(f"the {engine} arm failed (exit {child.exitcode}); server log in "
+                           f"{tmp / (engine + '.log')}")
+    return json.loads(out.read_text())
+
+
+def _run_engine_to_file(engine: str, arms: list[str], args, tmp: Path, out: Path) -> None:
+    out.write_text(json.dumps(run_engine(engine, arms, args, tmp)))
+
+
+def main(args: argparse.Namespace) -> int:
+    wanted = [a for a in args.arms.split(",") if a]
+    unknown = set(wanted) - set(ARMS)
+    if unknown:
+        print(f"unknown arms {sorted(unknown)}; choose from {','.join(ARMS)}", file=sys.stderr)
+        return 2
+    per_engine = {"off": ["off"], "vllm_ngram": ["vllm_ngram"],
+                  "service": [a for a in wanted if a.startswith("service_")]}
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="moonserve-bench-") as tmp:
+        for engine, arms in per_engine.items():
+            arms = [a for a in arms if a in wanted]
+            if arms:
+                results |= run_engine_in_child(engine, arms, args, Path(tmp))
+    report = summarize(args, results)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print_table(report)
+    print(f"results written to {args.out}")
+    return 0
+
+
+def summarize(args, results: dict[str, dict]) -> dict:
+    base = results.get("off")
+    for by_workload in results.values():
+        for name, r in by_workload.items():
+            if base is not None:
+                r["speedup_vs_off"] = r["decode_tokens_per_s"] / base[name]["decode_tokens_per_s"]
+                r["outputs_match_off"] = r["texts"] == base[name]["texts"]
+    config = load_app_config(args.config).draft
+    return {"benchmark": "speculative", "config": args.config, "requests": args.requests,
+            "max_tokens": args.max_tokens, "concurrency": args.concurrency,
+            "num_speculative_tokens": config.num_speculative_tokens,
+            "ngram": [config.ngram_min, config.ngram_max], "deadline_ms": config.deadline_ms,
+            "prefetch": config.prefetch, "arms": results}
+
+
+def print_table(report: dict) -> None:
+    def fmt(v, spec=".2f"):
+        return "-" if v is None else format(v, spec)
+
+    print(f"{'arm':15} {'workload':8} {'tok/s':>7} {'vs off':>7} {'lat ms':>8} {'accept':>7} "
+          f"{'len':>5} {'prefetch':>8} {'call ms':>7} {'same':>5}")
+    for arm, by_workload in report["arms"].items():
+        for name, r in by_workload.items():
+            print(f"{arm:15} {name:8} {r['decode_tokens_per_s']:>7.1f} "
+                  f"{fmt(r.get('speedup_vs_off')):>7} {r['latency_ms_mean']:>8.0f} "
+                  f"{fmt(r['acceptance_rate']):>7} {fmt(r['mean_acceptance_length']):>5} "
+                  f"{fmt(r['prefetch_hit_rate']):>8} "
+                  f"{fmt((r['draft_call_ms'] or {}).get('call_ms_p50')):>7} "
+                  f"{r.get('outputs_match_off', '-')!s:>5}")
