@@ -128,6 +128,7 @@ class DraftService:
     async def set_drafter(self, name: str) -> dict:
         """Switch drafters (all sessions restart from the next step); returns `stats()`."""
         await asyncio.to_thread(self._locked, self.core.set_drafter, name)
+        self.recent_rtt_s.clear()  # `stats()` round trips are the active drafter's
         return await self.stats()
 
     async def set_deadline(self, deadline_ms: float | None) -> None:

@@ -60,15 +60,12 @@ def arm_config(config_path: str, draft: dict, out: Path) -> Path:
     return out
 
 
-def handles():
+def handles(with_draft_service: bool):
     from ray import serve
 
     lm = serve.get_deployment_handle("LanguageModel", app_name="moonserve")
-    try:
-        draft = serve.get_deployment_handle("DraftService", app_name="moonserve")
-        draft.stats.remote().result(timeout_s=30)
-    except Exception:  # noqa: BLE001 - no DraftService in this arm
-        draft = None
+    draft = serve.get_deployment_handle("DraftService", app_name="moonserve") \
+        if with_draft_service else None
     return lm, draft
 
 
@@ -77,7 +74,8 @@ def counters(lm, draft) -> dict:
     out = {k: stats[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
     if draft is not None:
         s = draft.stats.remote().result()
-        out |= {"prefetch_hits": s["num_prefetch_hits"], "prefetch_misses": s["num_prefetch_misses"]}
+        out |= {"prefetch_hits": s["num_prefetch_hits"], "prefetch_misses": s["num_prefetch_misses"],
+                "call_ms": {k: v for k, v in s.items() if k.startswith("call_ms")} or None}
     return out
 
 
@@ -89,6 +87,8 @@ def measure(base_url: str, model: str, prompts: list[str], args, lm, draft) -> d
     before = counters(lm, draft)
     results, wall = asyncio.run(run_load(url, bodies, args.concurrency))
     after = counters(lm, draft)
+    call_ms = after.pop("call_ms", None)
+    before.pop("call_ms", None)
     delta = {k: after[k] - before[k] for k in after}
     tokens = sum(r.completion_tokens for r in results)
     latencies = [r.e2e_s * 1000 for r in results]
@@ -105,9 +105,8 @@ def measure(base_url: str, model: str, prompts: list[str], args, lm, draft) -> d
         "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
         "prefetch_hit_rate": delta["prefetch_hits"] / prefetched if prefetched else None,
         "spec_counters": delta,
-        # round trips of draft calls as the engine step waited (the service's recent ones)
-        "draft_call_ms": {k: v for k, v in draft.stats.remote().result().items()
-                          if k.startswith("call_ms")} or None if draft is not None else None,
+        # round trips of draft calls as the engine step waited (the active drafter's recent ones)
+        "draft_call_ms": call_ms,
         "texts": [r.text for r in results],  # in prompt order, compared across arms
     }
 
@@ -124,7 +123,7 @@ def run_engine(engine: str, arms: list[str], args, tmp: Path) -> dict[str, dict]
                        start_timeout_s=600) as server:
         ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
         try:
-            lm, draft = handles()
+            lm, draft = handles(with_draft_service=engine == "service")
             for arm in arms:
                 if arm.startswith("service_"):
                     draft.set_drafter.remote(arm.removeprefix("service_")).result()

@@ -76,21 +76,13 @@ class DraftCore:
         drafts, resend_from = [], []
         self.to_prefetch = []
         for request_id, position, new_token_ids in message["rows"]:
-            try:
-                row = sessions.draft(request_id, new_token_ids, position, k)
-                resend = -1
-            except (MissingTokensError, UnknownRequestError) as e:
-                row, resend = [], getattr(e, "num_tokens_held", 0)
-                observation.num_resends += 1
-            except ContextTooLongError:
-                row, resend = [], -1
+            row, resend = self._draft_row(request_id, new_token_ids, position, k)
             drafts.append(row)
             resend_from.append(resend)
+            observation.num_drafts.append(len(row))
+            observation.num_resends += resend >= 0
             if row:
-                observation.num_drafts.append(len(row))
                 self.to_prefetch.append(request_id)
-            else:
-                observation.num_drafts.append(0)
         observation.accepted, self.accepted[:] = list(self.accepted), []
         observation.prefetch_hits = stats.num_prefetch_hits - hits
         observation.prefetch_misses = stats.num_prefetch_misses - misses
@@ -100,6 +92,16 @@ class DraftCore:
         if self.deadline_ms is not None:
             reply["deadline_ms"] = self.deadline_ms
         return reply, observation
+
+    def _draft_row(self, request_id: str, new_token_ids, position: int,
+                   k: int) -> tuple[list[int], int]:
+        """(drafts, -1), or ([], where to resend from) when the service lacks the context."""
+        try:
+            return self.sessions.draft(request_id, new_token_ids, position, k), -1
+        except (MissingTokensError, UnknownRequestError) as e:
+            return [], getattr(e, "num_tokens_held", 0)
+        except ContextTooLongError:
+            return [], -1
 
     def prefetch(self) -> int:
         """Prefetch the rows the last `step` answered with drafts; returns how many."""
