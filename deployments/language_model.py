@@ -89,6 +89,8 @@ def engine_args(engine: EngineConfig, model_path: str, draft: DraftConfig | None
         enable_prefix_caching=engine.enable_prefix_caching,
         enforce_eager=engine.enforce_eager,
         scheduling_policy=engine.scheduling_policy,
+        scheduler_cls=engine.scheduler_cls(),
+        additional_config=engine.scheduler_options() if engine.scheduler_cls() else {},
         long_prefill_token_threshold=engine.long_prefill_token_threshold,
         seed=engine.seed,
         kv_cache_memory_bytes=engine.kv_cache_memory_bytes,

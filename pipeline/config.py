@@ -113,12 +113,41 @@ class EngineConfig(StrictModel):
     # Chunked prefill: at most this many prompt tokens of one request per engine step when other
     # requests are waiting (0: no cap), so a long prefill cannot hold interactive decode back.
     long_prefill_token_threshold: int = Field(0, ge=0)
+    # With "priority": while a request of the best priority present waits or prefills, prefill
+    # chunks of worse-priority requests sit the step out (their decodes still run), so a long
+    # prompt never shares a step with a chat request's prefill (pipeline/lane_scheduler.py).
+    strict_prefill_priority: bool = True
+    # Requests of this priority or worse (the long-context lane's) are background: a background
+    # prefill that runs alone takes at most `background_prefill_chunk_tokens` per step (vLLM gives
+    # a lone prefill the whole budget), so the step a new chat request arrives during is short.
+    # None: no background requests. Needs strict_prefill_priority.
+    background_priority: int | None = None
+    background_prefill_chunk_tokens: PositiveInt = 32
     seed: int = 0
     kv_cache_memory_bytes: PositiveInt | None = None
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     trust_remote_code: bool = False
     # Multimodal requests reach vLLM as prompt embeddings (needed when `vision` is on).
     enable_prompt_embeds: bool = False
+
+    @model_validator(mode="after")
+    def _background_needs_lane_scheduler(self) -> EngineConfig:
+        if self.background_priority is not None and self.scheduler_cls() is None:
+            raise ValueError("background_priority needs scheduling_policy: priority and "
+                             "strict_prefill_priority: true (pipeline/lane_scheduler.py)")
+        return self
+
+    def scheduler_cls(self) -> str | None:
+        """vLLM's `scheduler_cls` for this engine (None: vLLM's own)."""
+        if self.scheduling_policy == "priority" and self.strict_prefill_priority:
+            return "pipeline.lane_scheduler.LaneScheduler"
+        return None
+
+    def scheduler_options(self) -> dict:
+        """What `LaneScheduler` reads from vLLM's `additional_config`."""
+        return {"moonserve_lanes": {
+            "background_priority": self.background_priority,
+            "background_prefill_chunk_tokens": self.background_prefill_chunk_tokens}}
 
     def model_name(self) -> str:
         if self.served_model_name:
@@ -417,6 +446,13 @@ class AppConfig(StrictModel):
         if uses_priority and self.language_model.engine.scheduling_policy != "priority":
             raise ValueError("router.lanes give the lanes different priorities but "
                              "language_model.engine.scheduling_policy is not 'priority'")
+        background = self.language_model.engine.background_priority
+        if self.router.lanes.enabled and background is not None and \
+                self.router.lanes.interactive.priority >= background:
+            raise ValueError(
+                f"router.lanes.interactive.priority ({self.router.lanes.interactive.priority}) "
+                f"must be better (lower) than language_model.engine.background_priority "
+                f"({background}): chat prefills would be chunked as background work")
         if self.vision is not None and not self.language_model.engine.enable_prompt_embeds:
             raise ValueError("vision is configured but language_model.engine.enable_prompt_embeds "
                              "is false: image requests reach vLLM as prompt embeddings")

@@ -121,11 +121,26 @@ def test_serve_run_path_builds_the_app_from_the_yaml():
      "needs a target checkpoint that ships DSpark weights"),
     ({"draft": {"ngram_min": 6, "ngram_max": 5}}, "draft.ngram_min (6) is over draft.ngram_max (5)"),
     ({"draft": {"mode": "sometimes"}}, "draft.mode"),
+    ({"language_model": {"engine": {"background_priority": 10, "strict_prefill_priority": False}}},
+     "background_priority needs scheduling_policy: priority and strict_prefill_priority: true"),
+    ({"language_model": {"engine": {"background_priority": 0}}},
+     ("router.lanes.interactive.priority (0) must be better (lower) than "
+      "language_model.engine.background_priority (0)")),
 ])
 def test_inconsistent_lane_and_limit_settings_fail_at_load(args, needle):
     with pytest.raises(ValidationError) as err:
         AppConfig.model_validate(args)
     assert needle in str(err.value)
+
+
+def test_local_engine_runs_the_lane_scheduler_with_the_long_lane_as_background():
+    cfg = load_app_config(LOCAL_CONFIG)
+    engine = cfg.language_model.engine
+    assert engine.scheduler_cls() == "pipeline.lane_scheduler.LaneScheduler"
+    assert engine.scheduler_options()["moonserve_lanes"]["background_priority"] == \
+        cfg.router.lanes.long_context.priority
+    fcfs = engine.model_copy(update={"scheduling_policy": "fcfs", "background_priority": None})
+    assert fcfs.scheduler_cls() is None  # vLLM's own scheduler
 
 
 def test_lanes_off_needs_no_priority_scheduling():

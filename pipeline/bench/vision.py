@@ -2,7 +2,8 @@
 
 Three comparisons, both sides of each in this one run:
 1. preprocessing images/s, ours vs vLLM's Kimi-K3 preprocessing, same images, equal outputs;
-2. embedded MoonViT images/s, one packed batch vs a per-image loop, equal outputs;
+2. embedded MoonViT images/s, one packed batch vs a per-image loop, equal outputs, on a chat-like
+   mix of image sizes and on a batch of small images (`vision_encoder.MIXES`);
 3. end to end on `moonserve serve`: TTFT of a 1-image chat request vs the same text-only
    request (a new image each time, so the encoder cache does not answer).
 
@@ -81,7 +82,8 @@ def main(args: argparse.Namespace) -> int:
 
     result = {"benchmark": "vision", "rounds": args.rounds,
               "preprocess": vision_preprocess.run(vision_preprocess.sample_images(), args.rounds),
-              "encoder": vision_encoder.run(rounds=args.rounds)}
+              "encoder": {mix: vision_encoder.run(grids, args.rounds)
+                          for mix, grids in vision_encoder.MIXES.items()}}
     if not args.skip_e2e:
         result["end_to_end"] = end_to_end(args)
     Path(args.out).write_text(json.dumps(result, indent=2))

@@ -23,6 +23,11 @@ from pipeline.vision.moonvit import MoonViT
 
 # A chat-like mix, in patches of 14 px: four 224x224, two 448x448, a 336x252, a 112x112.
 DEFAULT_GRIDS = [[1, 16, 16]] * 4 + [[1, 32, 32]] * 2 + [[1, 24, 18], [1, 8, 8]]
+# The two mixes `moonserve bench vision` runs. On a CPU, chat-sized images are compute-bound
+# (matmuls and attention of hundreds of patches), so packing saves only the per-call overhead;
+# small images (thumbnails, icons, document crops: 16 at 112x112) are overhead-bound, as every
+# image is on a GPU.
+MIXES = {"chat": DEFAULT_GRIDS, "small": [[1, 8, 8]] * 16}
 
 
 def parse_grid(text: str) -> list[int]:
