@@ -91,6 +91,8 @@ def engine_args(engine: EngineConfig, model_path: str, draft: DraftConfig | None
         scheduling_policy=engine.scheduling_policy,
         scheduler_cls=engine.scheduler_cls(),
         additional_config=engine.scheduler_options() if engine.scheduler_cls() else {},
+        # LaneScheduler extends the synchronous scheduler; None lets vLLM choose.
+        async_scheduling=False if engine.scheduler_cls() else None,
         long_prefill_token_threshold=engine.long_prefill_token_threshold,
         seed=engine.seed,
         kv_cache_memory_bytes=engine.kv_cache_memory_bytes,

@@ -111,15 +111,19 @@ class EngineConfig(StrictModel):
     # "priority": lower `priority` first (the router's lanes set it); "fcfs": arrival order.
     scheduling_policy: Literal["fcfs", "priority"] = "priority"
     # Chunked prefill: at most this many prompt tokens of one request per engine step when other
-    # requests are waiting (0: no cap), so a long prefill cannot hold interactive decode back.
+    # requests are present (0: no cap), so a long prefill cannot hold interactive decode back.
+    # Under the LaneScheduler only where it protects someone: prefills that share a step, or a
+    # prefill beside better-priority decodes.
     long_prefill_token_threshold: int = Field(0, ge=0)
-    # With "priority": while a request of the best priority present waits or prefills, prefill
-    # chunks of worse-priority requests sit the step out (their decodes still run), so a long
-    # prompt never shares a step with a chat request's prefill (pipeline/lane_scheduler.py).
-    strict_prefill_priority: bool = True
+    # With "priority", true runs pipeline/lane_scheduler.py's LaneScheduler: while a request of
+    # the best priority present waits or prefills, prefill chunks of worse-priority requests sit
+    # the step out (their decodes still run), so a long prompt never shares a step with a chat
+    # prefill. It extends vLLM's synchronous scheduler, so it turns vLLM's async scheduling off
+    # (CPU engines never have it; GPU engines do, so production keeps false).
+    strict_prefill_priority: bool = False
     # Requests of this priority or worse (the long-context lane's) are background: a background
-    # prefill that runs alone takes at most `background_prefill_chunk_tokens` per step (vLLM gives
-    # a lone prefill the whole budget), so the step a new chat request arrives during is short.
+    # prefill takes at most `background_prefill_chunk_tokens` per step, alone too (vLLM gives a
+    # lone prefill the whole budget), so the step a new chat request arrives during is short.
     # None: no background requests. Needs strict_prefill_priority.
     background_priority: int | None = None
     background_prefill_chunk_tokens: PositiveInt = 32

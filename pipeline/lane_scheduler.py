@@ -24,7 +24,9 @@ that shares its step and for the long step it arrived during.
   budget), so a chat request that arrives finds a short step in flight.
 
 vLLM loads the class in its engine-core process through `scheduler_cls`; the settings come in
-`additional_config["moonserve_lanes"]` (`EngineConfig.scheduler_options`).
+`additional_config["moonserve_lanes"]` (`EngineConfig.scheduler_options`). It extends vLLM's
+synchronous `Scheduler`, so the LanguageModel turns vLLM's async scheduling off with it (the CPU
+build never has it on); production keeps vLLM's own scheduler.
 """
 
 from __future__ import annotations

@@ -123,7 +123,7 @@ def test_serve_run_path_builds_the_app_from_the_yaml():
     ({"draft": {"mode": "sometimes"}}, "draft.mode"),
     ({"language_model": {"engine": {"background_priority": 10, "strict_prefill_priority": False}}},
      "background_priority needs scheduling_policy: priority and strict_prefill_priority: true"),
-    ({"language_model": {"engine": {"background_priority": 0}}},
+    ({"language_model": {"engine": {"background_priority": 0, "strict_prefill_priority": True}}},
      ("router.lanes.interactive.priority (0) must be better (lower) than "
       "language_model.engine.background_priority (0)")),
 ])
@@ -134,10 +134,14 @@ def test_inconsistent_lane_and_limit_settings_fail_at_load(args, needle):
 
 
 def test_local_engine_runs_the_lane_scheduler_with_the_long_lane_as_background():
+    from deployments.language_model import engine_args
+
     cfg = load_app_config(LOCAL_CONFIG)
     engine = cfg.language_model.engine
-    assert engine.scheduler_cls() == "pipeline.lane_scheduler.LaneScheduler"
-    assert engine.scheduler_options()["moonserve_lanes"]["background_priority"] == \
+    args = engine_args(engine, "/models/embedded")
+    assert args.scheduler_cls == "pipeline.lane_scheduler.LaneScheduler"
+    assert args.async_scheduling is False  # LaneScheduler extends the synchronous scheduler
+    assert args.additional_config["moonserve_lanes"]["background_priority"] == \
         cfg.router.lanes.long_context.priority
     fcfs = engine.model_copy(update={"scheduling_policy": "fcfs", "background_priority": None})
     assert fcfs.scheduler_cls() is None  # vLLM's own scheduler

@@ -37,7 +37,8 @@ class Engine:
 
         options = EngineConfig(background_priority=background_priority,
                                background_prefill_chunk_tokens=chunk_tokens,
-                               scheduling_policy="priority").scheduler_options()
+                               scheduling_policy="priority",
+                               strict_prefill_priority=True).scheduler_options()
         config = VllmConfig(
             model_config=model_config,
             scheduler_config=SchedulerConfig(

@@ -77,6 +77,8 @@ def test_engine_arguments_reach_vllm_as_named(graph):
     assert (args.kv_cache_dtype, args.scheduling_policy, args.max_model_len) == \
         ("fp8", "priority", 1_048_576)
     assert args.enable_prompt_embeds and args.long_prefill_token_threshold == 2048
+    # vLLM's own scheduler, so vLLM keeps its async scheduling on GPUs (no LaneScheduler).
+    assert args.scheduler_cls is None and args.async_scheduling is None
     # inline: vLLM's own DSpark drafter, weights from the target checkpoint
     assert args.speculative_config == {"method": "dspark", "num_speculative_tokens": 4}
 
