@@ -14,7 +14,8 @@ that shares its step and for the long step it arrived during.
   drafts each), and so does everything else vLLM does. A held request keeps its KV blocks and its
   place, and goes on in the first step with no better-priority prefill. Under a steady stream of
   chat prefills the long-context lane waits; its bounded queue and queue timeout at the router
-  bound that wait.
+  bound that wait. When the free KV blocks cannot hold the better-priority prompts, nothing is
+  held: vLLM's own step preempts the worse-priority requests to make room.
 - vLLM's `long_prefill_token_threshold` caps every prompt's chunk whenever two requests are
   present, so a 34-token chat prompt beside one long-context decode takes three 16-token steps.
   Here it applies only when it protects someone: when two prefills share a step, or a prefill runs
@@ -85,8 +86,18 @@ class LaneScheduler(Scheduler):
         if not candidates:
             return [], []
         best = min(r.priority for r in candidates)
+        if not self.kv_has_room([r for r in candidates if r.priority == best]):
+            return [], []  # vLLM's own step: it preempts worse-priority requests for room
         return ([r for r in prefilling if r.priority > best],
                 [r for r in waiting if r.priority > best])
+
+    def kv_has_room(self, requests: list[Request]) -> bool:
+        """Whether the free KV blocks hold the rest of these requests' prompts. When they do not,
+        holding worse-priority requests out of sight would keep vLLM from preempting them to make
+        room, and the better-priority requests would wait for blocks that never free."""
+        need = sum(-(-(r.num_prompt_tokens - r.num_computed_tokens) // self.block_size) + 1
+                   for r in requests)
+        return self.kv_cache_manager.block_pool.get_num_free_blocks() >= need
 
     def is_background(self, request: Request) -> bool:
         return self.background_priority is not None and request.priority >= self.background_priority

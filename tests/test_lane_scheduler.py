@@ -26,7 +26,7 @@ class Engine:
     """The scheduler plus the bookkeeping of vLLM's engine core loop."""
 
     def __init__(self, model_config, *, policy="priority", background_priority=None,
-                 chunk_tokens=32):
+                 chunk_tokens=32, num_blocks=1024):
         import torch
         from vllm.config import CacheConfig, SchedulerConfig, VllmConfig
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -47,8 +47,8 @@ class Engine:
                 is_encoder_decoder=False),
             cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=False),
             additional_config=options)
-        config.cache_config.num_gpu_blocks = 1024
-        kv = KVCacheConfig(num_blocks=1024, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
+        config.cache_config.num_gpu_blocks = num_blocks
+        kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
             ["layer"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1,
                                          dtype=torch.float32))])
         self.scheduler = LaneScheduler(vllm_config=config, kv_cache_config=kv, block_size=BLOCK,
@@ -159,6 +159,21 @@ def test_fcfs_policy_is_vllms_own_behaviour(model_config):
     engine.step()
     engine.add("chat", 40, 0)
     assert engine.step() == {"long": THRESHOLD, "chat": THRESHOLD}
+
+
+def test_when_kv_blocks_run_short_nothing_is_held(model_config):
+    # 80 blocks of 16 tokens: the long prefill holds 60 when a chat prompt needing 26 arrives.
+    # Held out of sight, the long request could neither finish nor be preempted, and the chat
+    # request would wait for blocks forever; with nothing held, vLLM finishes the long prompt
+    # and then admits the chat request.
+    engine = Engine(model_config, num_blocks=80)
+    engine.add("long", 1000, LONG)
+    while engine.scheduler.requests["long"].num_computed_tokens < 960:
+        engine.step()
+    engine.add("chat", 400, INTERACTIVE)
+    assert "long" in engine.step()
+    engine.run_out()
+    assert engine.outputs == {"long": 4, "chat": 4}
 
 
 def test_every_request_finishes_with_all_its_tokens_under_churn(model_config):
