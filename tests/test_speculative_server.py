@@ -100,7 +100,8 @@ SAMPLES = 200
 
 def exact_pair_distribution(reference_model, prompt: str, temperature: float) -> Counter:
     """P(text of the first two sampled tokens), from the reference model's float64 softmax; pairs
-    whose first token has probability < 0.005 are left out (the tests pool them as the rest)."""
+    whose first token has probability < 0.005, or whose joint probability is < 1e-4, are left out
+    (the tests pool them as the rest)."""
     import torch
 
     model, tokenizer = reference_model
