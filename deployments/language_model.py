@@ -74,6 +74,7 @@ def executor_backend(engine: EngineConfig) -> str | None:
 def engine_args(engine: EngineConfig, model_path: str, draft: DraftConfig | None = None):
     from vllm.engine.arg_utils import AsyncEngineArgs
 
+    scheduler = engine.scheduler_cls()
     return AsyncEngineArgs(
         model=model_path,
         tokenizer=model_path,
@@ -89,10 +90,10 @@ def engine_args(engine: EngineConfig, model_path: str, draft: DraftConfig | None
         enable_prefix_caching=engine.enable_prefix_caching,
         enforce_eager=engine.enforce_eager,
         scheduling_policy=engine.scheduling_policy,
-        scheduler_cls=engine.scheduler_cls(),
-        additional_config=engine.scheduler_options() if engine.scheduler_cls() else {},
+        scheduler_cls=scheduler,
+        additional_config=engine.scheduler_options() if scheduler else {},
         # LaneScheduler extends the synchronous scheduler; None lets vLLM choose.
-        async_scheduling=False if engine.scheduler_cls() else None,
+        async_scheduling=False if scheduler else None,
         long_prefill_token_threshold=engine.long_prefill_token_threshold,
         seed=engine.seed,
         kv_cache_memory_bytes=engine.kv_cache_memory_bytes,

@@ -57,15 +57,8 @@ class LaneScheduler(Scheduler):
         held = {id(r) for r in running}
         self.running = [r for r in self.running if id(r) not in held]
         self.waiting.remove_requests(waiting)
-        prefills = [r for r in self.running if is_prefilling(r)] + list(self.waiting)
-        if self.prefill_needs_threshold(prefills):
-            pass
-        elif prefills and self.is_background(prefills[0]):
-            config.long_prefill_token_threshold = self.background_chunk_tokens
-            if len(self.running) + len(self.waiting) == 1:  # vLLM lifts the threshold then
-                self.max_num_scheduled_tokens = min(budget, self.background_chunk_tokens)
-        else:
-            config.long_prefill_token_threshold = 0
+        config.long_prefill_token_threshold, self.max_num_scheduled_tokens = \
+            self.chunk_limits(threshold, budget)
         try:
             return super().schedule(*args, **kwargs)
         finally:
@@ -87,7 +80,7 @@ class LaneScheduler(Scheduler):
             return [], []
         best = min(r.priority for r in candidates)
         if not self.kv_has_room([r for r in candidates if r.priority == best]):
-            return [], []  # vLLM's own step: it preempts worse-priority requests for room
+            return [], []  # vLLM's own step: held requests could neither finish nor be preempted
         return ([r for r in prefilling if r.priority > best],
                 [r for r in waiting if r.priority > best])
 
@@ -99,13 +92,26 @@ class LaneScheduler(Scheduler):
                    for r in requests)
         return self.kv_cache_manager.block_pool.get_num_free_blocks() >= need
 
+    def chunk_limits(self, threshold: int, budget: int) -> tuple[int, int]:
+        """(long_prefill_token_threshold, token budget) for this step, the held requests being
+        out of `running` and `waiting`: vLLM's threshold where it protects someone, else the
+        background chunk for a background prefill (alone too: vLLM lifts the threshold for a
+        lone request, so the budget carries it), else no cap."""
+        prefills = [r for r in self.running if is_prefilling(r)] + list(self.waiting)
+        if self.prefill_needs_threshold(prefills):
+            return threshold, budget
+        if prefills and self.is_background(prefills[0]):
+            alone = len(self.running) + len(self.waiting) == 1
+            chunk = self.background_chunk_tokens
+            return chunk, min(budget, chunk) if alone else budget
+        return 0, budget
+
     def is_background(self, request: Request) -> bool:
         return self.background_priority is not None and request.priority >= self.background_priority
 
     def prefill_needs_threshold(self, prefills: list[Request]) -> bool:
-        """Whether vLLM's `long_prefill_token_threshold` has work this step (the held requests
-        are out of `running` and `waiting` here): when prefills share it, or when a prefill runs
-        beside decodes of better priority. A chat prompt beside long-context decodes does not
+        """Whether vLLM's `long_prefill_token_threshold` has work this step: when prefills share
+        it, or when a prefill runs beside decodes of better priority. A chat prompt beside long-context decodes does not
         need chunking: it is what those decodes must not hold back."""
         if len(prefills) != 1:
             return len(prefills) > 1
