@@ -13,13 +13,13 @@ Example:
 from ray import serve
 from ray.serve import Application
 
-from deployments.draft import DraftService
-from deployments.language_model import LanguageModel
-from deployments.preprocess import ImagePreprocessor
-from deployments.router import Router
-from deployments.vision import VisionEncoder
-from pipeline.auth import ApiKeys, keys_from_env
-from pipeline.config import (
+from moonserve.deployments.draft import DraftService
+from moonserve.deployments.language_model import LanguageModel
+from moonserve.deployments.preprocess import ImagePreprocessor
+from moonserve.deployments.router import Router
+from moonserve.deployments.vision import VisionEncoder
+from moonserve.pipeline.api.auth import ApiKeys, keys_from_env
+from moonserve.pipeline.config import (
     EMBEDDED_MODEL,
     AppConfig,
     DeploymentOptions,
@@ -35,7 +35,7 @@ def resolve_model_path(config: LanguageModelConfig) -> str:
     """`embedded` -> the prepared SmolLM2 checkpoint (built on first use); else the path/id as is."""
     if config.engine.model != EMBEDDED_MODEL:
         return config.engine.model
-    from pipeline.embedded import prepare_language_model
+    from moonserve.pipeline.prepare.language_model import prepare_language_model
 
     return str(prepare_language_model())
 
@@ -84,7 +84,7 @@ def resolve_encoder_path(config: VisionEncoderConfig, lm_path: str) -> str:
     """`embedded` -> the seeded random MoonViT projecting to the LM's hidden size."""
     if config.model != EMBEDDED_MODEL:
         return config.model
-    from pipeline.embedded import prepare_vision_encoder
+    from moonserve.pipeline.prepare.language_model import prepare_vision_encoder
 
     return str(prepare_vision_encoder(lm_path))
 
@@ -110,7 +110,7 @@ def resolve_draft_model_path(config: DraftConfig, lm_path: str) -> str:
     them whichever drafter starts active, so `set_drafter` can switch at run time."""
     if config.model != EMBEDDED_MODEL:
         return config.model
-    from pipeline.embedded import prepare_drafter
+    from moonserve.pipeline.prepare.language_model import prepare_drafter
 
     return str(prepare_drafter(lm_path))
 

@@ -1,8 +1,8 @@
 """DraftService deployment: per-request draft contexts and the drafters (`ngram`, `dspark`).
 
 The engine's proposer sends one message per engine step with the whole batch (format in
-`pipeline.speculative.wire`) over a TCP connection to this replica's `StepServer`
-(`pipeline.speculative.endpoint`; `endpoint()` tells the LM replica where it is). Each connection
+`moonserve.pipeline.speculative.wire`) over a TCP connection to this replica's `StepServer`
+(`moonserve.pipeline.speculative.endpoint`; `endpoint()` tells the LM replica where it is). Each connection
 has its own thread, the sessions are behind one lock, and right after a step is answered the same
 thread prefetches the next step (`DraftCore.prefetch`), which overlaps with the target verifying
 this one. The replica's event loop only serves Serve calls. Idle sessions are evicted every few
@@ -21,12 +21,12 @@ import logging
 import threading
 from collections import deque
 
-from pipeline.config import DraftConfig
-from pipeline.speculative.drafter import NoDrafter
-from pipeline.speculative.endpoint import StepServer
-from pipeline.speculative.ngram import NgramDrafter
-from pipeline.speculative.service import DraftCore, StepObservation
-from pipeline.speculative.sessions import SessionLimits
+from moonserve.pipeline.config import DraftConfig
+from moonserve.pipeline.speculative.drafter import NoDrafter
+from moonserve.pipeline.speculative.endpoint import StepServer
+from moonserve.pipeline.speculative.ngram import NgramDrafter
+from moonserve.pipeline.speculative.service import DraftCore, StepObservation
+from moonserve.pipeline.speculative.sessions import SessionLimits
 
 logger = logging.getLogger("moonserve.draft")
 EVICT_INTERVAL_S = 5.0
@@ -39,7 +39,7 @@ def drafter_factories(config: DraftConfig, draft_model_path: str, target_path: s
     def dspark():
         import torch
 
-        from pipeline.speculative.dspark import DSparkDrafter, target_shared_tensors
+        from moonserve.pipeline.speculative.dspark import DSparkDrafter, target_shared_tensors
 
         device = "cuda" if config.num_gpus and torch.cuda.is_available() else "cpu"
         return DSparkDrafter.from_pretrained(draft_model_path, device=device,
@@ -51,7 +51,7 @@ def drafter_factories(config: DraftConfig, draft_model_path: str, target_path: s
 
 class DraftMetrics:
     def __init__(self):
-        from pipeline.metrics import make_metric
+        from moonserve.pipeline.metrics import make_metric
 
         names = ("moonserve_draft_step_seconds", "moonserve_draft_call_seconds",
                  "moonserve_draft_tokens", "moonserve_draft_accepted_tokens",

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.config import DraftConfig, EngineConfig, LanguageModelConfig
-from pipeline.protocol import GenerateRequest, GenerationDelta, ModelInfo, SamplingSpec
+from moonserve.pipeline.config import DraftConfig, EngineConfig, LanguageModelConfig
+from moonserve.pipeline.api.protocol import GenerateRequest, GenerationDelta, ModelInfo, SamplingSpec
 
 logger = logging.getLogger("moonserve.language_model")
 
@@ -156,8 +156,8 @@ def start_draft_resolver(draft: DraftConfig, draft_service):
         return None
     if draft_service is None:
         raise ValueError("draft.mode is service but no DraftService handle was bound")
-    from pipeline.speculative.endpoint import EndpointResolver
-    from pipeline.speculative.proposer import ENV_DEADLINE_MS, ENV_SOCKET
+    from moonserve.pipeline.speculative.endpoint import EndpointResolver
+    from moonserve.pipeline.engine.proposer import ENV_DEADLINE_MS, ENV_SOCKET
 
     resolver = EndpointResolver(draft_service, draft.service_timeout_s)
     resolver.start()
@@ -169,7 +169,7 @@ def start_draft_resolver(draft: DraftConfig, draft_service):
 class LanguageModel:
     """One vLLM engine. `generate` streams `GenerationDelta`s; cancelling it aborts the request.
 
-    `draft` picks speculative decoding (pipeline.config.DraftConfig); with `mode: service`,
+    `draft` picks speculative decoding (moonserve.pipeline.config.DraftConfig); with `mode: service`,
     `draft_service` is the DraftService handle the engine's proposer drafts through.
     """
 
@@ -205,7 +205,7 @@ class LanguageModel:
             return TokensPrompt(prompt_token_ids=request.prompt_token_ids)
         import torch
 
-        from pipeline.multimodal import splice_image_embeddings
+        from moonserve.pipeline.engine.splice import splice_image_embeddings
 
         if self.token_embeddings is None:
             raise ValueError("image embeddings sent, but engine.enable_prompt_embeds is false")

@@ -19,21 +19,21 @@ import time
 
 from ray import serve
 
-from pipeline.config import ImagePreprocessorConfig
-from pipeline.protocol import ImageInfo
+from moonserve.pipeline.config import ImagePreprocessorConfig
+from moonserve.pipeline.api.protocol import ImageInfo
 
 
 def preprocess_config(config: ImagePreprocessorConfig):
     """The typed config's layout and limit fields, which carry PreprocessConfig's names."""
     from dataclasses import fields
 
-    from pipeline.vision.preprocess import PreprocessConfig
+    from moonserve.pipeline.vision.preprocess import PreprocessConfig
 
     return PreprocessConfig(**{f.name: getattr(config, f.name) for f in fields(PreprocessConfig)})
 
 
 def remote_policy(config: ImagePreprocessorConfig):
-    from pipeline.vision.sources import RemotePolicy
+    from moonserve.pipeline.vision.sources import RemotePolicy
 
     remote = config.remote
     return RemotePolicy(
@@ -45,7 +45,7 @@ def remote_policy(config: ImagePreprocessorConfig):
 
 def decode_and_patchify(data: bytes, cfg):
     """bytes -> (pixel_values float32 ndarray [num_patches, 3, 14, 14], PreprocessedImage)."""
-    from pipeline.vision.preprocess import decode_image, preprocess
+    from moonserve.pipeline.vision.preprocess import decode_image, preprocess
 
     image = preprocess(decode_image(data, cfg), cfg)
     return image.pixel_values.numpy(), image
@@ -58,7 +58,7 @@ class ImagePreprocessor:
         self.session = None
         self.process_batch.set_max_batch_size(config.max_batch_size)
         self.process_batch.set_batch_wait_timeout_s(config.batch_wait_timeout_s)
-        from pipeline.metrics import make_metric
+        from moonserve.pipeline.metrics import make_metric
 
         self.latency = make_metric("moonserve_image_preprocess_seconds")
 
@@ -81,7 +81,7 @@ class ImagePreprocessor:
         return True
 
     async def read_source(self, url: str) -> bytes:
-        from pipeline.vision.sources import fetch_remote, parse_data_url
+        from moonserve.pipeline.vision.sources import fetch_remote, parse_data_url
 
         if url.startswith("data:"):
             return parse_data_url(url, self.cfg.max_image_bytes)

@@ -1,9 +1,9 @@
 """Router deployment: the HTTP ingress with the OpenAI API.
 
 It validates and tokenizes each request, checks it against the model's context, admits it through
-its lane (`pipeline.lanes`), forwards it to the LanguageModel deployment with the lane's priority
+its lane (`moonserve.pipeline.api.lanes`), forwards it to the LanguageModel deployment with the lane's priority
 and streams the deltas back as SSE. Every rejection is an OpenAI-style error
-(`pipeline.errors.APIError`); TTFT, inter-token latency and lane counts go to Ray metrics.
+(`moonserve.pipeline.api.errors.APIError`); TTFT, inter-token latency and lane counts go to Ray metrics.
 
 Example (without Serve, with any object that has the LanguageModel's methods):
     >>> router = Router(RouterConfig(), lm_handle, model_path="/path/to/ckpt")
@@ -23,14 +23,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pipeline.auth import ApiKeys
-from pipeline.config import RouterConfig, VisionConfig
-from pipeline.errors import APIError, bad_request, from_validation_error
-from pipeline.lanes import Lanes, Slot
-from pipeline.limits import check_chat_limits, check_completion_limits
-from pipeline.metrics import RequestTrace, RouterMetrics
-from pipeline.prompt import PromptBuilder, resolve_max_tokens
-from pipeline.protocol import (
+from moonserve.pipeline.api.auth import ApiKeys
+from moonserve.pipeline.config import RouterConfig, VisionConfig
+from moonserve.pipeline.api.errors import APIError, bad_request, from_validation_error
+from moonserve.pipeline.api.lanes import Lanes, Slot
+from moonserve.pipeline.api.limits import check_chat_limits, check_completion_limits
+from moonserve.pipeline.metrics import RequestTrace, RouterMetrics
+from moonserve.pipeline.api.prompt import PromptBuilder, resolve_max_tokens
+from moonserve.pipeline.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     Completion,
@@ -39,7 +39,7 @@ from pipeline.protocol import (
     ModelInfo,
     sampling_spec,
 )
-from pipeline.streaming import ResponseFormat, StreamEncoder, sse
+from moonserve.pipeline.api.streaming import ResponseFormat, StreamEncoder, sse
 
 logger = logging.getLogger("moonserve.router")
 
@@ -355,7 +355,7 @@ def retryable(exc: BaseException) -> bool:
 
 def image_failure(exc: Exception, where: str, stage: str) -> APIError:
     """A bad image is a 400 naming its message and part; a lost replica is a 503 to retry."""
-    from pipeline.vision.errors import ImageError
+    from moonserve.pipeline.vision.errors import ImageError
 
     cause = getattr(exc, "cause", exc)
     if isinstance(cause, ImageError):

@@ -19,14 +19,14 @@ import time
 import numpy as np
 from ray import serve
 
-from pipeline.config import VisionEncoderConfig
-from pipeline.protocol import ImageInfo
+from moonserve.pipeline.config import VisionEncoderConfig
+from moonserve.pipeline.api.protocol import ImageInfo
 
 
 def load_encoder(config: VisionEncoderConfig, model_path: str):
     import torch
 
-    from pipeline.vision.moonvit import load_moonvit
+    from moonserve.pipeline.models.moonvit import load_moonvit
 
     device = "cuda" if config.num_gpus and torch.cuda.is_available() else "cpu"
     return load_moonvit(model_path, dtype=getattr(torch, config.dtype), device=device,
@@ -35,8 +35,8 @@ def load_encoder(config: VisionEncoderConfig, model_path: str):
 
 class VisionEncoder:
     def __init__(self, config: VisionEncoderConfig, model_path: str):
-        from pipeline.metrics import make_metric
-        from pipeline.vision.cache import EmbeddingCache
+        from moonserve.pipeline.metrics import make_metric
+        from moonserve.pipeline.vision.cache import EmbeddingCache
 
         self.model = load_encoder(config, model_path)
         self.cache = EmbeddingCache(config.cache_bytes)

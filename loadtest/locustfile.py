@@ -23,7 +23,7 @@ import time
 
 from locust import HttpUser, between, events, task
 
-from pipeline.bench.corpus import data_url, encode, filler_text
+from moonserve.pipeline.bench.corpus import data_url, encode, filler_text
 
 CHAT_PROMPTS = ["What is the capital of France?", "Name three colors.",
                 "Write one sentence about the sea.", "What is 2 + 2?", "Say hello in Spanish."]

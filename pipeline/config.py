@@ -1,7 +1,7 @@
 """The one typed config of a moonserve application.
 
 `AppConfig` is the `args` block of a Ray Serve config file (`configs/*.yaml`); Ray Serve validates it
-through the annotation on `deployments.builder.build_app`, and `moonserve serve` validates it the same
+through the annotation on `moonserve.deployments.builder.build_app`, and `moonserve serve` validates it the same
 way. Every model forbids unknown keys, so a typo fails at start with a message that names the key.
 
 Example:
@@ -115,7 +115,7 @@ class EngineConfig(StrictModel):
     # Under the LaneScheduler only where it protects someone: prefills that share a step, or a
     # prefill beside better-priority decodes.
     long_prefill_token_threshold: int = Field(0, ge=0)
-    # With "priority", true runs pipeline/lane_scheduler.py's LaneScheduler: while a request of
+    # With "priority", true runs pipeline/engine/lane_scheduler.py's LaneScheduler: while a request of
     # the best priority present waits or prefills, prefill chunks of worse-priority requests sit
     # the step out (their decodes still run), so a long prompt never shares a step with a chat
     # prefill. It extends vLLM's synchronous scheduler, so it turns vLLM's async scheduling off
@@ -138,13 +138,13 @@ class EngineConfig(StrictModel):
     def _background_needs_lane_scheduler(self) -> EngineConfig:
         if self.background_priority is not None and self.scheduler_cls() is None:
             raise ValueError("background_priority needs scheduling_policy: priority and "
-                             "strict_prefill_priority: true (pipeline/lane_scheduler.py)")
+                             "strict_prefill_priority: true (pipeline/engine/lane_scheduler.py)")
         return self
 
     def scheduler_cls(self) -> str | None:
         """vLLM's `scheduler_cls` for this engine (None: vLLM's own)."""
         if self.scheduling_policy == "priority" and self.strict_prefill_priority:
-            return "pipeline.lane_scheduler.LaneScheduler"
+            return "moonserve.pipeline.engine.lane_scheduler.LaneScheduler"
         return None
 
     def scheduler_options(self) -> dict:
@@ -358,7 +358,7 @@ class DraftConfig(StrictModel):
     """Speculative decoding: where the draft tokens come from; vLLM verifies them losslessly.
 
     - `service`: the DraftService deployment drafts (`drafter`), called every engine step by the
-      LM's proposer (`pipeline.speculative.proposer`) over a direct connection. A call that misses
+      LM's proposer (`moonserve.pipeline.engine.proposer`) over a direct connection. A call that misses
       `deadline_ms` yields no drafts for that step; the service down = no speculation.
     - `inline`: vLLM's own in-engine method: `dspark` (weights inside the target checkpoint; GPU
       only, production) or `ngram` (prompt lookup in the engine; the benchmark's baseline).
@@ -400,7 +400,7 @@ class DraftConfig(StrictModel):
             return None
         if self.mode == "service":
             return {"method": "custom_class", "num_speculative_tokens": k,
-                    "model": "pipeline.speculative.proposer.ServiceProposer"}
+                    "model": "moonserve.pipeline.engine.proposer.ServiceProposer"}
         if self.drafter == "ngram":
             return {"method": "ngram", "num_speculative_tokens": k,
                     "prompt_lookup_min": self.ngram_min, "prompt_lookup_max": self.ngram_max}

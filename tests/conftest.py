@@ -18,8 +18,8 @@ import psutil
 import pytest
 import yaml
 
-from pipeline.config import DEFAULT_CONFIG
-from pipeline.launch import ServerProcess
+from moonserve.pipeline.config import DEFAULT_CONFIG
+from moonserve.pipeline.app.launch import ServerProcess
 
 REPO = Path(__file__).resolve().parent.parent
 LOCAL_CONFIG = DEFAULT_CONFIG
@@ -62,8 +62,8 @@ class RunningServer:
         LanguageModel (no second engine). Yields its base URL."""
         from ray import serve
 
-        from deployments.builder import bind_router, resolve_model_path
-        from pipeline.config import AppConfig
+        from moonserve.deployments.builder import bind_router, resolve_model_path
+        from moonserve.pipeline.config import AppConfig
 
         args = yaml.safe_load(LOCAL_CONFIG.read_text())["applications"][0]["args"]
         args["router"].update(router_args)
@@ -81,7 +81,7 @@ class RunningServer:
 def server(tmp_path_factory) -> RunningServer:
     log = tmp_path_factory.mktemp("server") / "moonserve-serve.log"
     process = ServerProcess(
-        [sys.executable, "-m", "pipeline.cli", "serve", "--config", str(LOCAL_CONFIG),
+        [sys.executable, "-m", "moonserve.pipeline.app.cli", "serve", "--config", str(LOCAL_CONFIG),
          "--port", str(HTTP_PORT), "--dashboard-port", str(DASHBOARD_PORT),
          "--metrics-export-port", str(METRICS_PORT)],
         f"http://127.0.0.1:{HTTP_PORT}/health", log_path=log, start_timeout_s=420,
@@ -131,7 +131,7 @@ def reference_model():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.embedded import prepare_language_model
+    from moonserve.pipeline.prepare.language_model import prepare_language_model
 
     path = prepare_language_model(progress=False)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()

@@ -1,9 +1,9 @@
-"""GPU check of the MXFP4 Triton kernels against kernels.mxfp4.naive; prints one JSON object.
+"""GPU check of the MXFP4 Triton kernels against moonserve.kernels.mxfp4.naive; prints one JSON object.
 
 Run from the repository root on a CUDA machine (as a module, so that ``import triton`` finds the
 real triton and not kernels/mxfp4/triton.py):
 
-    python -m kernels.mxfp4.gpu_check
+    python -m moonserve.kernels.mxfp4.gpu_check
 
 For each shape and activation dtype it reports the matmul's max and relative-RMS error against
 the float32 reference, whether dequantize is bit-exact, and the median time of the fused Triton
@@ -17,8 +17,8 @@ import sys
 
 import torch
 
-from kernels.checks import gpu_check_main, relative_rms, time_ms
-from kernels.mxfp4 import naive
+from moonserve.kernels.checks import gpu_check_main, relative_rms, time_ms
+from moonserve.kernels.mxfp4 import naive
 
 # (M, N, K): tile edges everywhere; a gpt-oss-sized decode step; a prefill-sized batch.
 SHAPES = [(63, 781, 1824), (1, 2880, 2880), (512, 5760, 2880)]
@@ -68,7 +68,7 @@ def run_case(mxfp4_triton, m: int, n: int, k: int, dtype: torch.dtype) -> dict:
 
 
 def run_cases() -> list[dict]:
-    from kernels.mxfp4 import triton as mxfp4_triton
+    from moonserve.kernels.mxfp4 import triton as mxfp4_triton
 
     return [run_case(mxfp4_triton, *shape, dtype) for shape in SHAPES for dtype in TOLERANCE]
 

@@ -2,11 +2,11 @@
 
 A checkpoint stores the MXFP4 weight of a linear ``X`` the gpt-oss way, as two tensors beside its
 float ones: ``X.weight_blocks`` uint8 ``[out, in // 32, 16]`` and ``X.weight_scales`` uint8
-``[out, in // 32]`` (logical weight ``X.weight`` ``[out, in]``; see kernels.mxfp4.naive for the
+``[out, in // 32]`` (logical weight ``X.weight`` ``[out, in]``; see moonserve.kernels.mxfp4.naive for the
 bit layout). ``MXFP4Linear`` holds exactly those two buffers, under those names, plus an optional
-float bias, and computes ``x @ dequantize(W).T + bias``: with ``kernels.mxfp4.triton.matmul`` on
+float bias, and computes ``x @ dequantize(W).T + bias``: with ``moonserve.kernels.mxfp4.triton.matmul`` on
 GPU tensors (weights decoded in registers, never written out) when triton is installed, with
-``kernels.mxfp4.naive.matmul`` otherwise.
+``moonserve.kernels.mxfp4.naive.matmul`` otherwise.
 
 ``quantize_linear_weights`` turns a float state dict into that form; ``load_weights`` loads such
 a state dict into a model built with ``nn.Linear``s, swapping in an ``MXFP4Linear`` for each
@@ -16,7 +16,7 @@ Example:
 
     >>> import torch
     >>> from torch import nn
-    >>> from kernels.mxfp4.linear import MXFP4Linear, load_weights, quantize_linear_weights
+    >>> from moonserve.kernels.mxfp4.linear import MXFP4Linear, load_weights, quantize_linear_weights
     >>> model = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 10))
     >>> packed = quantize_linear_weights(model.state_dict())  # 10 x 96 too: 96 = 3 blocks
     >>> sorted(packed)[:3], packed["0.weight_blocks"].shape, packed["0.weight_scales"].shape
@@ -41,8 +41,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels.mxfp4 import naive
-from kernels.mxfp4.naive import BLOCK_SIZE
+from moonserve.kernels.mxfp4 import naive
+from moonserve.kernels.mxfp4.naive import BLOCK_SIZE
 
 BLOCKS_SUFFIX = "_blocks"
 SCALES_SUFFIX = "_scales"
@@ -79,7 +79,7 @@ class MXFP4Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> MXFP4Linear:
-        """linear's weight quantized with kernels.mxfp4.naive.quantize, its bias kept as it is."""
+        """linear's weight quantized with moonserve.kernels.mxfp4.naive.quantize, its bias kept as it is."""
         weight = linear.weight.detach()
         module = cls(linear.in_features, linear.out_features, linear.bias is not None,
                      device=weight.device, dtype=weight.dtype)
@@ -91,7 +91,7 @@ class MXFP4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, x.shape[-1])  # [M, in_features]
         if x.is_cuda and triton_available():
-            from kernels.mxfp4 import triton as mxfp4_triton
+            from moonserve.kernels.mxfp4 import triton as mxfp4_triton
 
             y = mxfp4_triton.matmul(x2d, self.weight_blocks, self.weight_scales)  # [M, out_features]
         else:

@@ -11,7 +11,7 @@ Layout, as in the gpt-oss checkpoints and triton_kernels:
 Example:
 
     >>> import torch
-    >>> from kernels.mxfp4.naive import dequantize, quantize
+    >>> from moonserve.kernels.mxfp4.naive import dequantize, quantize
     >>> x = torch.zeros(1, 32)
     >>> x[0, :4] = torch.tensor([6.0, -0.75, 5.0, 0.25])
     >>> blocks, scales = quantize(x)

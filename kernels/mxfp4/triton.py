@@ -1,15 +1,15 @@
 """Triton fast paths for MXFP4: a dequantize kernel and a matmul that decodes the weights on the fly.
 
-The wrappers take the same arguments as kernels.mxfp4.naive's ``dequantize`` and ``matmul`` and give
+The wrappers take the same arguments as moonserve.kernels.mxfp4.naive's ``dequantize`` and ``matmul`` and give
 the same results (dequantize bit-exact, matmul up to float32 summation order), plus an optional
-``out=`` buffer. This module needs triton; kernels.mxfp4 itself imports without it.
+``out=`` buffer. This module needs triton; moonserve.kernels.mxfp4 itself imports without it.
 
 Example (CPU tensors, as here, need ``TRITON_INTERPRET=1`` set before triton is first imported; on a
 GPU, pass CUDA tensors):
 
     >>> import torch
-    >>> from kernels.mxfp4 import naive
-    >>> from kernels.mxfp4 import triton as mxfp4_triton
+    >>> from moonserve.kernels.mxfp4 import naive
+    >>> from moonserve.kernels.mxfp4 import triton as mxfp4_triton
     >>> w_blocks, w_scales = naive.quantize(torch.randn(781, 1824))  # [781, 57, 16], [781, 57]
     >>> y = mxfp4_triton.matmul(torch.randn(63, 1824), w_blocks, w_scales)  # [63, 781]
 """
@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import torch
 
-from kernels.mxfp4.naive import BLOCK_SIZE, check_matmul_shapes, check_packed
+from moonserve.kernels.mxfp4.naive import BLOCK_SIZE, check_matmul_shapes, check_packed
 
 try:
     import triton
     import triton.language as tl
-except ImportError as exc:  # keep the message actionable; kernels.mxfp4 never imports this module
-    raise ImportError("kernels.mxfp4.triton needs triton; use kernels.mxfp4.naive without it") from exc
+except ImportError as exc:  # keep the message actionable; moonserve.kernels.mxfp4 never imports this module
+    raise ImportError("moonserve.kernels.mxfp4.triton needs triton; use moonserve.kernels.mxfp4.naive without it") from exc
 
 
 @triton.jit
@@ -106,7 +106,7 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
                *, out: torch.Tensor | None = None) -> torch.Tensor:
     """MXFP4 blocks uint8 [..., K // 32, 16] and scales uint8 [..., K // 32] -> [..., K] in dtype.
 
-    Bit-exact with kernels.mxfp4.naive.dequantize. ``out`` ([..., K], dtype) is written if given.
+    Bit-exact with moonserve.kernels.mxfp4.naive.dequantize. ``out`` ([..., K], dtype) is written if given.
     """
     check_packed(blocks, scales)
     num_blocks = blocks.shape[-2]

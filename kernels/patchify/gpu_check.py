@@ -1,9 +1,9 @@
-"""GPU check of the patchify Triton kernel against kernels.patchify.naive; prints one JSON object.
+"""GPU check of the patchify Triton kernel against moonserve.kernels.patchify.naive; prints one JSON object.
 
 Run from the repository root on a CUDA machine (as a module, so that ``import triton`` finds the
 real triton and not kernels/patchify/triton.py):
 
-    python -m kernels.patchify.gpu_check
+    python -m moonserve.kernels.patchify.gpu_check
 
 For each image size and output dtype it reports whether the kernel is bit-exact with the naive
 torch path run on the CPU (what vLLM's CPU processor gives), unwritten elements (NaN-poisoned output), and the median time of
@@ -17,8 +17,8 @@ import sys
 
 import torch
 
-from kernels.checks import gpu_check_main, time_ms
-from kernels.patchify import naive
+from moonserve.kernels.checks import gpu_check_main, time_ms
+from moonserve.kernels.patchify import naive
 
 # (H, W) of resized images: odd sides; 4000x3000 after the NaViT resize; the largest NaViT image.
 SIZES = [(1823, 781), (1554, 2073), (7168, 7168)]
@@ -51,7 +51,7 @@ def run_case(patchify_triton, height: int, width: int, dtype: torch.dtype) -> di
 
 
 def run_cases() -> list[dict]:
-    from kernels.patchify import triton as patchify_triton
+    from moonserve.kernels.patchify import triton as patchify_triton
 
     return [run_case(patchify_triton, *size, dtype) for size in SIZES for dtype in DTYPES]
 

@@ -1,15 +1,15 @@
 """Triton fast path for patchify: uint8 HWC pixels -> padded, normalized patches in one pass.
 
-Same arguments and results as kernels.patchify.naive.patchify run on the CPU (bit-exact: the
+Same arguments and results as moonserve.kernels.patchify.naive.patchify run on the CPU (bit-exact: the
 kernel reads each normalized value from a float32 table computed on the CPU with the naive formula,
-so no GPU division rounding enters), plus an optional ``out=`` buffer. This module needs triton; kernels.patchify itself
+so no GPU division rounding enters), plus an optional ``out=`` buffer. This module needs triton; moonserve.kernels.patchify itself
 imports without it.
 
 Example (CPU tensors, as here, need ``TRITON_INTERPRET=1`` set before triton is first imported; on a
 GPU, pass CUDA tensors):
 
     >>> import torch
-    >>> from kernels.patchify import triton as patchify_triton
+    >>> from moonserve.kernels.patchify import triton as patchify_triton
     >>> pixels = torch.randint(0, 256, (1823, 781, 3), dtype=torch.uint8)  # [H, W, 3]
     >>> patches = patchify_triton.patchify(pixels, (132, 56), (0.5,) * 3, (0.5,) * 3)  # [7392, 3, 14, 14]
 """
@@ -21,13 +21,13 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.patchify.naive import NUM_CHANNELS, PATCH_SIZE, check_inputs, normalize_lut
+from moonserve.kernels.patchify.naive import NUM_CHANNELS, PATCH_SIZE, check_inputs, normalize_lut
 
 try:
     import triton
     import triton.language as tl
-except ImportError as exc:  # keep the message actionable; kernels.patchify never imports this module
-    raise ImportError("kernels.patchify.triton needs triton; use kernels.patchify.naive without it") from exc
+except ImportError as exc:  # keep the message actionable; moonserve.kernels.patchify never imports this module
+    raise ImportError("moonserve.kernels.patchify.triton needs triton; use moonserve.kernels.patchify.naive without it") from exc
 
 BLOCK = 1024
 
@@ -77,7 +77,7 @@ def patchify(
 ) -> torch.Tensor:
     """uint8 pixels [H, W, 3] -> normalized patches [grid_h * grid_w, 3, P, P] in dtype.
 
-    Bit-exact with kernels.patchify.naive.patchify. ``out`` is written if given.
+    Bit-exact with moonserve.kernels.patchify.naive.patchify. ``out`` is written if given.
     """
     check_inputs(pixels, grid_hw, patch_size)
     grid_h, grid_w = grid_hw

@@ -1,14 +1,14 @@
 """Varlen self-attention with MoonViT's 2D rotary embedding, one image per attention segment.
 
-``varlen_attention`` dispatches: the Triton kernel (kernels.vision_attention.triton) for GPU tensors
-when triton is installed, the batched-SDPA torch path (kernels.vision_attention.sdpa) otherwise.
-``kernels.vision_attention.naive`` is the spec both are tested against. This package imports
+``varlen_attention`` dispatches: the Triton kernel (moonserve.kernels.vision_attention.triton) for GPU tensors
+when triton is installed, the batched-SDPA torch path (moonserve.kernels.vision_attention.sdpa) otherwise.
+``moonserve.kernels.vision_attention.naive`` is the spec both are tested against. This package imports
 without triton.
 
 Example:
 
     >>> import torch
-    >>> from kernels.vision_attention import cu_seqlens_from_grid_thw, rope_2d_cos_sin, varlen_attention
+    >>> from moonserve.kernels.vision_attention import cu_seqlens_from_grid_thw, rope_2d_cos_sin, varlen_attention
     >>> grid_thw = [[1, 4, 4], [1, 2, 6]]
     >>> cos, sin = rope_2d_cos_sin(grid_thw, head_dim=64)  # [28, 32] each
     >>> q, k, v = torch.randn(3, 28, 2, 64).unbind(0)  # [28, 2, 64] each
@@ -24,8 +24,8 @@ from typing import Literal
 
 import torch
 
-from kernels.vision_attention import naive, sdpa
-from kernels.vision_attention.naive import apply_rotary, cu_seqlens_from_grid_thw, rope_2d_angles, rope_2d_cos_sin
+from moonserve.kernels.vision_attention import naive, sdpa
+from moonserve.kernels.vision_attention.naive import apply_rotary, cu_seqlens_from_grid_thw, rope_2d_angles, rope_2d_cos_sin
 
 Backend = Literal["auto", "naive", "sdpa", "triton"]
 
@@ -56,7 +56,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     """
     chosen = select_backend(q.device, backend)
     if chosen == "triton":
-        from kernels.vision_attention import triton as vision_triton
+        from moonserve.kernels.vision_attention import triton as vision_triton
 
         return vision_triton.varlen_attention(q, k, v, cu_seqlens, cos, sin, scale, max_seqlen=max_seqlen)
     if chosen == "naive":

@@ -3,10 +3,10 @@
 Run from the repository root on a CUDA (or ROCm) machine, as a module so that ``import triton``
 finds the real triton and not kernels/vision_attention/triton.py:
 
-    python -m kernels.vision_attention.gpu_check
+    python -m moonserve.kernels.vision_attention.gpu_check
 
 Kernel cases (12 heads of 128, as MoonViT-V2), float32 and bfloat16: relative-RMS error of the
-Triton kernel against kernels.vision_attention.naive in float32 on the same inputs, unwritten
+Triton kernel against moonserve.kernels.vision_attention.naive in float32 on the same inputs, unwritten
 (NaN-poisoned) outputs, and the median time of the Triton kernel against the SDPA torch path.
 Model case: MoonViT-V2 at the production config with seeded random weights in bfloat16, Triton
 against SDPA attention on eight 448x448 images packed: relative RMS and images/s of each, and
@@ -20,9 +20,9 @@ import sys
 
 import torch
 
-from kernels.checks import gpu_check_main, relative_rms, time_ms
-from kernels.vision_attention import naive, sdpa
-from kernels.vision_attention.naive import cu_seqlens_from_grid_thw, rope_2d_cos_sin
+from moonserve.kernels.checks import gpu_check_main, relative_rms, time_ms
+from moonserve.kernels.vision_attention import naive, sdpa
+from moonserve.kernels.vision_attention.naive import cu_seqlens_from_grid_thw, rope_2d_cos_sin
 
 HEADS, HEAD_DIM = 12, 128
 # Odd lengths (1, 63, 200, 4096); eight 448x448 images; one 1344x1344 image (9216 patches).
@@ -60,8 +60,8 @@ def run_kernel_case(vision_triton, name: str, dtype: torch.dtype) -> dict:
 
 
 def run_model_case() -> dict:
-    from pipeline.vision.embedded_encoder import random_state_dict
-    from pipeline.vision.moonvit import MoonViT, MoonViTConfig
+    from moonserve.pipeline.prepare.vision_encoder import random_state_dict
+    from moonserve.pipeline.models.moonvit import MoonViT, MoonViTConfig
 
     cfg = MoonViTConfig()
     model = MoonViT(cfg)
@@ -86,7 +86,7 @@ def run_model_case() -> dict:
 
 
 def run_cases() -> list[dict]:
-    from kernels.vision_attention import triton as vision_triton
+    from moonserve.kernels.vision_attention import triton as vision_triton
 
     kernel_cases = [run_kernel_case(vision_triton, name, dtype) for name in GRIDS for dtype in TOLERANCE]
     return kernel_cases + [run_model_case()]

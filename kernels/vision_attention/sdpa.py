@@ -1,6 +1,6 @@
 """The torch path for CPUs: rotary, then ``scaled_dot_product_attention`` over images of equal length.
 
-Same contract as kernels.vision_attention.naive.varlen_attention. Images with the same number of
+Same contract as moonserve.kernels.vision_attention.naive.varlen_attention. Images with the same number of
 tokens (a batch of same-sized images, the common case) go through one batched SDPA call instead of
 one call each, which is what makes a packed batch cheaper than a per-image loop on a CPU.
 """
@@ -12,7 +12,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from kernels.vision_attention.naive import apply_rotary, check_cu_seqlens_cover, check_varlen_inputs
+from moonserve.kernels.vision_attention.naive import apply_rotary, check_cu_seqlens_cover, check_varlen_inputs
 
 
 def group_by_length(bounds: list[int]) -> dict[int, list[int]]:

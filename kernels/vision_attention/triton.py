@@ -1,6 +1,6 @@
 """Triton fast path: varlen flash attention with MoonViT's interleaved 2D rotary fused into the loads.
 
-Same contract as kernels.vision_attention.naive.varlen_attention, plus ``max_seqlen`` (host int, so
+Same contract as moonserve.kernels.vision_attention.naive.varlen_attention, plus ``max_seqlen`` (host int, so
 the launch needs no device sync) and ``out=``. q, k, v may be strided views of a packed QKV buffer
 ``[total_tokens, 3, heads, head_dim]``; only the last dimension must be contiguous.
 
@@ -13,7 +13,7 @@ keys in BLOCK_N tiles with the online softmax (FlashAttention-2, arXiv:2307.0869
 Example (CPU tensors need ``TRITON_INTERPRET=1`` set before triton is first imported):
 
     >>> import torch
-    >>> from kernels.vision_attention import naive, triton as vision_triton
+    >>> from moonserve.kernels.vision_attention import naive, triton as vision_triton
     >>> grid_thw = [[1, 9, 7], [1, 1, 1]]
     >>> cos, sin = naive.rope_2d_cos_sin(grid_thw, head_dim=128)  # [64, 64] each
     >>> q, k, v = torch.randn(3, 64, 2, 128).unbind(0)
@@ -26,13 +26,13 @@ import math
 
 import torch
 
-from kernels.vision_attention.naive import check_varlen_inputs
+from moonserve.kernels.vision_attention.naive import check_varlen_inputs
 
 try:
     import triton
     import triton.language as tl
-except ImportError as exc:  # kernels.vision_attention imports this module only when triton is there
-    raise ImportError("kernels.vision_attention.triton needs triton; use the torch paths without it") from exc
+except ImportError as exc:  # moonserve.kernels.vision_attention imports this module only when triton is there
+    raise ImportError("moonserve.kernels.vision_attention.triton needs triton; use the torch paths without it") from exc
 
 
 @triton.jit

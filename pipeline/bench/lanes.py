@@ -23,10 +23,10 @@ from pathlib import Path
 
 import aiohttp
 
-from pipeline.bench.client import percentile, stream_chat
-from pipeline.bench.corpus import filler_text
-from pipeline.config import DEFAULT_CONFIG, AppConfig, load_app_config
-from pipeline.launch import ServerProcess
+from moonserve.pipeline.bench.client import percentile, stream_chat
+from moonserve.pipeline.bench.corpus import filler_text
+from moonserve.pipeline.config import DEFAULT_CONFIG, AppConfig, load_app_config
+from moonserve.pipeline.app.launch import ServerProcess
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="config with lanes on")
@@ -110,7 +110,7 @@ def wait_idle(lm_handle, timeout_s: float = 60.0) -> None:
 def deploy_fifo(config: AppConfig, model_path: str):
     from ray import serve
 
-    from deployments.builder import bind_router
+    from moonserve.deployments.builder import bind_router
 
     router = config.router.model_copy(
         update={"lanes": config.router.lanes.model_copy(update={"enabled": False})})
@@ -141,7 +141,7 @@ def measure_rounds(base: str, args, workload: Workload, lm_handle) -> dict[str, 
 def main(args: argparse.Namespace) -> int:
     import ray
 
-    from deployments.builder import resolve_model_path
+    from moonserve.deployments.builder import resolve_model_path
 
     config = load_app_config(args.config)
     model_path = resolve_model_path(config.language_model)
@@ -149,7 +149,7 @@ def main(args: argparse.Namespace) -> int:
     long_tokens = args.long_prompt_tokens or (3 * max_len) // 4
     workload = Workload(config.language_model.engine.model_name(), long_tokens,
                         args.long_max_tokens)
-    cmd = [sys.executable, "-m", "pipeline.cli", "serve", "--config", args.config,
+    cmd = [sys.executable, "-m", "moonserve.pipeline.app.cli", "serve", "--config", args.config,
            "--port", str(args.port), "--dashboard-port", str(args.port + 150)]
     with tempfile.TemporaryDirectory(prefix="moonserve-bench-") as tmp, \
             ServerProcess(cmd, f"http://127.0.0.1:{args.port}/health",

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import psutil
 
-from pipeline.bench.client import run_load, summarize
-from pipeline.config import DEFAULT_CONFIG, EngineConfig, LanguageModelConfig, load_app_config
-from pipeline.launch import ServerProcess
+from moonserve.pipeline.bench.client import run_load, summarize
+from moonserve.pipeline.config import DEFAULT_CONFIG, EngineConfig, LanguageModelConfig, load_app_config
+from moonserve.pipeline.app.launch import ServerProcess
 
 PROMPTS = [
     "What is the capital of France?",
@@ -119,7 +119,7 @@ def servers(config: LanguageModelConfig, model_path: str, args, logs: Path):
                                     env=dict(config.env))
     if "pipeline" in args.arms:
         yield "pipeline", ServerProcess(
-            [sys.executable, "-m", "pipeline.cli", "serve", "--config", args.config,
+            [sys.executable, "-m", "moonserve.pipeline.app.cli", "serve", "--config", args.config,
              "--port", str(args.port + 1), "--dashboard-port", str(args.port + 2)],
             f"http://127.0.0.1:{args.port + 1}/health", logs / "pipeline.log")
 
@@ -166,7 +166,7 @@ def print_table(arms: dict, per_round: dict, rel: dict) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from deployments.builder import resolve_model_path
+    from moonserve.deployments.builder import resolve_model_path
 
     config = load_app_config(args.config).language_model
     model_path = resolve_model_path(config)

@@ -32,9 +32,9 @@ from pathlib import Path
 import aiohttp
 import psutil
 
-from pipeline.bench.client import percentile, stream_chat
-from pipeline.config import DEFAULT_CONFIG, load_app_config
-from pipeline.launch import ServerProcess
+from moonserve.pipeline.bench.client import percentile, stream_chat
+from moonserve.pipeline.config import DEFAULT_CONFIG, load_app_config
+from moonserve.pipeline.app.launch import ServerProcess
 
 MAX_TOKENS = 16
 
@@ -168,7 +168,7 @@ def bad_inputs(url: str, model: str) -> dict:
     """Send the corpus; count what was tried and any 5xx."""
     import httpx
 
-    from pipeline.bench.corpus import bad_bodies, broken_images, odd_images
+    from moonserve.pipeline.bench.corpus import bad_bodies, broken_images, odd_images
 
     statuses: Counter = Counter()
     images = {**broken_images(), **odd_images()}
@@ -212,7 +212,7 @@ def measure(server: ServerProcess, args, model: str) -> dict:
 
 def main(args: argparse.Namespace) -> int:
     model = load_app_config(args.config).language_model.engine.model_name()
-    cmd = [sys.executable, "-m", "pipeline.cli", "serve", "--config", args.config,
+    cmd = [sys.executable, "-m", "moonserve.pipeline.app.cli", "serve", "--config", args.config,
            "--port", str(args.port), "--dashboard-port", str(args.port + 150)]
     with tempfile.TemporaryDirectory(prefix="moonserve-bench-") as tmp, \
             ServerProcess(cmd, f"http://127.0.0.1:{args.port}/health",

@@ -26,10 +26,10 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.bench.client import percentile, run_load
-from pipeline.bench.corpus import chat_prompts, copy_prompts
-from pipeline.config import DEFAULT_CONFIG, load_app_config
-from pipeline.launch import ServerProcess
+from moonserve.pipeline.bench.client import percentile, run_load
+from moonserve.pipeline.bench.corpus import chat_prompts, copy_prompts
+from moonserve.pipeline.config import DEFAULT_CONFIG, load_app_config
+from moonserve.pipeline.app.launch import ServerProcess
 
 ARMS = ("off", "vllm_ngram", "service_ngram", "service_dspark")
 # Engine configurations; the service arms share one engine.
@@ -116,7 +116,7 @@ def run_engine(engine: str, arms: list[str], args, tmp: Path) -> dict[str, dict]
 
     config_file = arm_config(args.config, ENGINES[engine], tmp / f"{engine}.yaml")
     model = load_app_config(config_file).language_model.engine.model_name()
-    cmd = [sys.executable, "-m", "pipeline.cli", "serve", "--config", str(config_file),
+    cmd = [sys.executable, "-m", "moonserve.pipeline.app.cli", "serve", "--config", str(config_file),
            "--port", str(args.port), "--dashboard-port", str(args.port + 150)]
     results = {}
     with ServerProcess(cmd, f"http://127.0.0.1:{args.port}/health", tmp / f"{engine}.log",

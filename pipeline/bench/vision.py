@@ -22,9 +22,9 @@ from pathlib import Path
 
 import aiohttp
 
-from pipeline.bench.client import percentile, stream_chat
-from pipeline.config import DEFAULT_CONFIG, load_app_config
-from pipeline.launch import ServerProcess
+from moonserve.pipeline.bench.client import percentile, stream_chat
+from moonserve.pipeline.config import DEFAULT_CONFIG, load_app_config
+from moonserve.pipeline.app.launch import ServerProcess
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +47,7 @@ def image_body(model: str, png: bytes | None) -> dict:
 
 async def ttft_arms(base_url: str, model: str, n: int) -> dict[str, list[float]]:
     """Alternate text-only and 1-image requests (448x448 PNGs, a new one each time)."""
-    from pipeline.bench import vision_preprocess
+    from moonserve.pipeline.bench import vision_preprocess
 
     url = f"{base_url}/v1/chat/completions"
     ttft: dict[str, list[float]] = {"text": [], "image": []}
@@ -63,7 +63,7 @@ async def ttft_arms(base_url: str, model: str, n: int) -> dict[str, list[float]]
 
 def end_to_end(args) -> dict:
     config = load_app_config(args.config)
-    cmd = [sys.executable, "-m", "pipeline.cli", "serve", "--config", args.config,
+    cmd = [sys.executable, "-m", "moonserve.pipeline.app.cli", "serve", "--config", args.config,
            "--port", str(args.port), "--dashboard-port", str(args.port + 150)]
     with tempfile.TemporaryDirectory(prefix="moonserve-bench-") as tmp, \
             ServerProcess(cmd, f"http://127.0.0.1:{args.port}/health",
@@ -78,7 +78,7 @@ def end_to_end(args) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
-    from pipeline.bench import vision_encoder, vision_preprocess  # torch: imported on use
+    from moonserve.pipeline.bench import vision_encoder, vision_preprocess  # torch: imported on use
 
     result = {"benchmark": "vision", "rounds": args.rounds,
               "preprocess": vision_preprocess.run(vision_preprocess.sample_images(), args.rounds),

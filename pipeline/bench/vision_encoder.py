@@ -1,10 +1,10 @@
 """Vision encoder: images/s of one packed batch against a per-image loop, same images, same outputs.
 
-Runs the embedded MoonViT-V2 (pipeline.vision.embedded_encoder, built under $MOONSERVE_HOME if it is
+Runs the embedded MoonViT-V2 (moonserve.pipeline.prepare.vision_encoder, built under $MOONSERVE_HOME if it is
 not there yet) on CPU. Each round times the packed forward and then the loop, alternating, after
 checking once that both give the same embeddings; images/s comes from each arm's fastest round.
 
-    python -m pipeline.bench.vision_encoder --grids 16x16 16x16 32x32 24x18 --rounds 5 --out bench-vision.json
+    python -m moonserve.pipeline.bench.vision_encoder --grids 16x16 16x16 32x32 24x18 --rounds 5 --out bench-vision.json
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from pipeline.embedded import moonserve_home
-from pipeline.vision.embedded_encoder import load_embedded_encoder, write_embedded_encoder
-from pipeline.vision.moonvit import MoonViT
+from moonserve.pipeline.prepare.language_model import moonserve_home
+from moonserve.pipeline.prepare.vision_encoder import load_embedded_encoder, write_embedded_encoder
+from moonserve.pipeline.models.moonvit import MoonViT
 
 # A chat-like mix, in patches of 14 px: four 224x224, two 448x448, a 336x252, a 112x112.
 DEFAULT_GRIDS = [[1, 16, 16]] * 4 + [[1, 32, 32]] * 2 + [[1, 24, 18], [1, 8, 8]]

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from pipeline.vision.preprocess import (
+from moonserve.pipeline.vision.preprocess import (
     DEFAULT_CONFIG,
     PreprocessConfig,
     decode_image,

@@ -6,7 +6,7 @@ now, the DSpark drafter's KV cache later). `DraftSessions` only ever calls the f
 so a new drafter needs nothing else.
 
 Example:
-    >>> from pipeline.speculative.ngram import NgramDrafter
+    >>> from moonserve.pipeline.speculative.ngram import NgramDrafter
     >>> state = NgramDrafter(min_n=2, max_n=3).new_state("req-1")
     >>> state.append([7, 8, 9, 7, 8])
     >>> state.propose(num_speculative_tokens=2)

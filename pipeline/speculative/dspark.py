@@ -33,7 +33,7 @@ draft's. The Markov head is the drafter's own bigram prediction (the final hidde
 one-token context `[t]`) compressed to rank 64, the mask embedding is the mean token embedding.
 Nothing is trained. On disk: 82 MB float32 (4 layers 57 MB, Markov head 25 MB).
 
-Layer choice, measured with `python -m pipeline.speculative.acceptance --reference`
+Layer choice, measured with `python -m moonserve.pipeline.bench.acceptance --reference`
 (`measure_layer_choices`): the 8 `MEASURE_PROMPTS` (4 chat, 4 copy/edit) under the chat template,
 each extended by 48 target-greedy tokens (transformers, float32, argmax past EOS); a k = 4
 proposal after every generated prefix that has 4 target tokens after it (8 x 45 = 360 proposals).
@@ -65,9 +65,9 @@ DSpark drafter needs trained weights (or at least a fitted early-exit head).
 MXFP4: a checkpoint may ship linear weights as gpt-oss does, `X.weight_blocks` uint8
 `[out, in // 32, 16]` + `X.weight_scales` uint8 `[out, in // 32]` instead of `X.weight`
 (attention and MLP projections, the Markov head's `markov_w2`, an untied LM head); `load_model`
-loads them with `kernels.mxfp4.linear.load_weights`, so those linears run as `MXFP4Linear` (Triton
+loads them with `moonserve.kernels.mxfp4.linear.load_weights`, so those linears run as `MXFP4Linear` (Triton
 on GPU, decoded per matmul in torch on CPU). `quantize_drafter_checkpoint` writes such a copy.
-Measured with `python -m pipeline.speculative.acceptance --mxfp4` (`measure_mxfp4`; same 360
+Measured with `python -m moonserve.pipeline.bench.acceptance --mxfp4` (`measure_mxfp4`; same 360
 proposals as above, 2-core CPU):
 
     drafter      MB    mean     d1     d2     d3     d4   ms/proposal
@@ -110,7 +110,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.mxfp4.linear import (
+from moonserve.kernels.mxfp4.linear import (
     BLOCKS_SUFFIX,
     SCALES_SUFFIX,
     MXFP4Linear,
@@ -120,7 +120,7 @@ from kernels.mxfp4.linear import (
     packed_weight_shape,
     quantize_linear_weights,
 )
-from kernels.mxfp4.naive import BLOCK_SIZE, dequantize
+from moonserve.kernels.mxfp4.naive import BLOCK_SIZE, dequantize
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -789,7 +789,7 @@ def load_model(
 
     A linear weight `X.weight` may come as MXFP4, gpt-oss style: `X.weight_blocks` uint8
     `[out, in // 32, 16]` + `X.weight_scales` uint8 (or float8_e8m0fnu) `[out, in // 32]`; that
-    linear then runs as an `MXFP4Linear` (`kernels.mxfp4.linear.load_weights`; packed tensors keep
+    linear then runs as an `MXFP4Linear` (`moonserve.kernels.mxfp4.linear.load_weights`; packed tensors keep
     their dtype, float ones are cast to `dtype`).
     """
     tensors = {name: t for name, t in tensors.items() if not name.startswith(IGNORED_PREFIXES)}
@@ -955,7 +955,7 @@ def build_embedded_dspark(
     embedding and LM head (`shares_target_embedding`): load it with the target's.
 
     Example:
-        >>> from pipeline.embedded import prepare_language_model
+        >>> from moonserve.pipeline.prepare.language_model import prepare_language_model
         >>> lm_dir = prepare_language_model()  # doctest: +SKIP
         >>> path = build_embedded_dspark(lm_dir, Path("/tmp/dspark"))  # doctest: +SKIP
         >>> drafter = DSparkDrafter.from_pretrained(  # doctest: +SKIP
@@ -971,7 +971,7 @@ def build_embedded_dspark(
 def quantize_drafter_checkpoint(src_dir: Path | str, out_dir: Path | str) -> Path:
     """Write an MXFP4 copy of the drafter checkpoint `src_dir` into `out_dir` (atomically).
 
-    Packed (`X.weight_blocks` + `X.weight_scales`, `kernels.mxfp4.linear.quantize_linear_weights`):
+    Packed (`X.weight_blocks` + `X.weight_scales`, `moonserve.kernels.mxfp4.linear.quantize_linear_weights`):
     the linears of the decoder layers and the Markov head's `markov_w2`, where their in-dim is a
     multiple of 32. Kept as they are: norms, embeddings (`markov_w1` too), the mask embedding, an
     LM head the checkpoint has of its own (gpt-oss also ships its LM head unquantized), and the
@@ -1004,7 +1004,7 @@ def mxfp4_weight_names(config: DSparkConfig) -> frozenset[str]:
 
 def write_atomically(out_dir: Path, write: Callable[[Path], None]) -> Path:
     """Run `write(staging)` in a sibling directory, then move it to `out_dir`; returns `out_dir`."""
-    from pipeline.embedded import replace_dir
+    from moonserve.pipeline.prepare.language_model import replace_dir
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))

@@ -2,7 +2,7 @@
 
 vLLM runs the proposer in its worker processes, which are not Ray workers and cannot hold a Serve
 handle; and a Serve handle call costs milliseconds per engine step on a busy node. So the step
-messages (`pipeline.speculative.wire`) go over one plain TCP connection from the proposer straight
+messages (`moonserve.pipeline.speculative.wire`) go over one plain TCP connection from the proposer straight
 to the DraftService replica:
 
 - `StepServer` (in the DraftService replica): listens on the node's address, one thread per
@@ -34,7 +34,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from pipeline.speculative.wire import FrameReader, send_frame
+from moonserve.pipeline.speculative.wire import FrameReader, send_frame
 
 logger = logging.getLogger("moonserve.draft_endpoint")
 # Handler: message -> (reply, work to run after the reply is sent or None)

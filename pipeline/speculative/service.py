@@ -1,8 +1,8 @@
 """What the DraftService does with one draft step, without Ray: `DraftCore`.
 
-`step` applies a batch message from the proposer (format in `pipeline.speculative.wire`) to the
+`step` applies a batch message from the proposer (format in `moonserve.pipeline.speculative.wire`) to the
 `DraftSessions` of the active drafter and returns the reply; `prefetch` then drafts each answered
-row's next step in advance (see `pipeline.speculative.sessions`). Both are synchronous and must be
+row's next step in advance (see `moonserve.pipeline.speculative.sessions`). Both are synchronous and must be
 called from one thread: the deployment runs them on a single worker thread, `step` first.
 
 Example:
@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pipeline.speculative.drafter import Drafter
-from pipeline.speculative.sessions import (
+from moonserve.pipeline.speculative.drafter import Drafter
+from moonserve.pipeline.speculative.sessions import (
     ContextTooLongError,
     DraftSessionError,
     DraftSessions,

@@ -23,7 +23,7 @@ remaining k are the answer without drafting on the critical path (`stats.num_pre
 Methods are synchronous and not thread-safe: call them from one thread (the replica's loop).
 
 Example:
-    >>> from pipeline.speculative.ngram import NgramDrafter
+    >>> from moonserve.pipeline.speculative.ngram import NgramDrafter
     >>> sessions = DraftSessions(NgramDrafter(min_n=1, max_n=2))
     >>> sessions.draft("req-1", [4, 5, 6, 4], position=0, num_speculative_tokens=2)
     [5, 6]
@@ -40,7 +40,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from pipeline.speculative.drafter import Drafter, DrafterState
+from moonserve.pipeline.speculative.drafter import Drafter, DrafterState
 
 
 class DraftSessionError(Exception):

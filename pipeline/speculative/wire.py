@@ -1,7 +1,7 @@
 """The draft step message between vLLM's proposer and the DraftService.
 
 One frame = a 4-byte big-endian length, then a msgpack map. After a `{"token": ...}` hello
-(`pipeline.speculative.endpoint`), the proposer sends, once per engine step, one `step` for the
+(`moonserve.pipeline.speculative.endpoint`), the proposer sends, once per engine step, one `step` for the
 whole batch and reads one reply with the same `seq`:
 
     step  = {"seq": int, "k": int,
@@ -14,7 +14,7 @@ whole batch and reads one reply with the same `seq`:
              "deadline_ms": float}                       # optional: the proposer's new deadline
 
 `position` is how many context tokens the proposer believes the service holds (see
-`pipeline.speculative.sessions`); a row whose position is ahead of the service (lost call,
+`moonserve.pipeline.speculative.sessions`); a row whose position is ahead of the service (lost call,
 service restarted) comes back with `resend_from` and no drafts.
 
 Example:

@@ -1,5 +1,5 @@
 """The vision path: image sources and preprocessing (ImagePreprocessor), and the encoder side."""
 
-from pipeline.vision.errors import ImageError
+from moonserve.pipeline.vision.errors import ImageError
 
 __all__ = ["ImageError"]

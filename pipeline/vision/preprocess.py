@@ -33,8 +33,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
-from kernels.patchify import naive as patchify_naive
-from pipeline.vision.errors import IMAGE_TOO_LARGE, UNSUPPORTED_IMAGE, ImageError
+from moonserve.kernels.patchify import naive as patchify_naive
+from moonserve.pipeline.vision.errors import IMAGE_TOO_LARGE, UNSUPPORTED_IMAGE, ImageError
 
 SUPPORTED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # Pillow format names
 SUPPORTED_NAMES = "PNG, JPEG, WebP, GIF, BMP"
@@ -224,7 +224,7 @@ def decode_image(data: bytes, cfg: PreprocessConfig = DEFAULT_CONFIG) -> Image.I
     >>> decode_image(b"GIF89a not really").size
     Traceback (most recent call last):
     ...
-    pipeline.vision.errors.ImageError: corrupt GIF file (its header cannot be read)
+    moonserve.pipeline.vision.errors.ImageError: corrupt GIF file (its header cannot be read)
     """
     check_byte_size(data, cfg)
     fmt = sniff_format(data)
@@ -284,7 +284,7 @@ def preprocess(image: Image.Image, cfg: PreprocessConfig = DEFAULT_CONFIG) -> Pr
     """An RGB image (from decode_image) -> pixel_values [num_patches, 3, 14, 14] float32 and grid_thw.
 
     Resizes with Pillow BICUBIC (vLLM's choice) to navit_size, then pads, normalizes and
-    patchifies with kernels.patchify.naive (the CPU path).
+    patchifies with moonserve.kernels.patchify.naive (the CPU path).
     """
     if image.mode != "RGB":
         raise ValueError(f"preprocess needs an RGB image (decode_image gives one), got mode {image.mode}")

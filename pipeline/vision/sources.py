@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import aiohttp
 from yarl import URL
 
-from pipeline.vision.errors import (
+from moonserve.pipeline.vision.errors import (
     IMAGE_FETCH_FAILED,
     IMAGE_TOO_LARGE,
     IMAGE_URL_DISABLED,

@@ -1,0 +1,55 @@
+"""API-key authentication: `Authorization: Bearer <key>`, compared in constant time.
+
+Only SHA-256 digests of the keys are kept, so a key never sits in a replica's memory in the clear
+after start-up, and no error message, log line or metric can contain one.
+
+Example:
+    >>> keys = ApiKeys.from_plaintext(["sk-local-1"])
+    >>> keys.check("Bearer sk-local-1") is None
+    True
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from dataclasses import dataclass
+
+from moonserve.pipeline.api.errors import APIError
+
+
+def digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+@dataclass(frozen=True)
+class ApiKeys:
+    digests: tuple[bytes, ...]
+
+    @classmethod
+    def from_plaintext(cls, keys: list[str]) -> ApiKeys:
+        return cls(tuple(digest(k) for k in keys))
+
+    def check(self, authorization: str | None) -> None:
+        """Raises a 401 `APIError` unless the header carries one of the keys."""
+        scheme, _, presented = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not presented.strip():
+            raise unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+        candidate = digest(presented.strip())
+        # Compare against every key (no early exit), so timing says nothing about which matched.
+        matched = False
+        for known in self.digests:
+            matched |= hmac.compare_digest(candidate, known)
+        if not matched:
+            raise unauthorized("invalid API key")
+
+
+def unauthorized(message: str) -> APIError:
+    return APIError(401, message, type="authentication_error", code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"})
+
+
+def keys_from_env(variable: str) -> list[str]:
+    """Comma-separated keys from an environment variable (unset or empty: none)."""
+    return [k.strip() for k in os.environ.get(variable, "").split(",") if k.strip()]

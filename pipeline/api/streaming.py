@@ -1,0 +1,76 @@
+"""OpenAI response bodies and SSE framing for chat and text completions."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+from moonserve.pipeline.api.protocol import Completion, GenerationDelta, Usage
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+@dataclass
+class ResponseFormat:
+    """What distinguishes `chat.completion` from `text_completion` bodies."""
+
+    request_id: str
+    model: str
+    chat: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def _envelope(self, obj: str, choices: list) -> dict:
+        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def chunk(self, text: str, finish_reason: str | None, first: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return self._envelope("chat.completion.chunk", [choice])
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return self._envelope("text_completion", [choice])
+
+    def usage_chunk(self, usage: Usage) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._envelope(obj, []), "usage": usage.as_dict()}
+
+    def full(self, completion: Completion) -> dict:
+        if self.chat:
+            message = {"role": "assistant", "content": completion.text, "refusal": None}
+            choice = {"index": 0, "message": message, "logprobs": None,
+                      "finish_reason": completion.finish_reason}
+            body = self._envelope("chat.completion", [choice])
+        else:
+            choice = {"index": 0, "text": completion.text, "logprobs": None,
+                      "finish_reason": completion.finish_reason}
+            body = self._envelope("text_completion", [choice])
+        return {**body, "usage": completion.usage.as_dict()}
+
+
+class StreamEncoder:
+    """Turns `GenerationDelta`s into SSE events, tracking usage for the final chunk."""
+
+    def __init__(self, fmt: ResponseFormat, include_usage: bool):
+        self.fmt = fmt
+        self.include_usage = include_usage
+        self.completion = Completion()
+
+    def opening(self) -> bytes:
+        """The role chunk, sent before the first token (as OpenAI and vLLM do)."""
+        return sse(self.fmt.chunk("", None, first=True)) if self.fmt.chat else b""
+
+    def encode(self, delta: GenerationDelta) -> bytes:
+        self.completion.add(delta)
+        if not delta.text and delta.finish_reason is None:
+            return b""
+        return sse(self.fmt.chunk(delta.text, delta.finish_reason))
+
+    def closing(self) -> bytes:
+        usage = sse(self.fmt.usage_chunk(self.completion.usage)) if self.include_usage else b""
+        return usage + DONE

@@ -1,0 +1,226 @@
+"""`moonserve` command line: prepare, serve, bench, plan, check-checkpoint.
+
+    moonserve prepare                      # build the embedded LM, vision encoder, drafter
+    moonserve serve [--config FILE]        # local Ray + app on 127.0.0.1:8000, dashboard :8265
+    moonserve bench overhead [--out FILE]  # pipeline vs vLLM's own OpenAI server, JSON results
+    moonserve bench lanes [--out FILE]     # interactive TTFT under long-context load, lanes vs FIFO
+    moonserve bench vision [--out FILE]    # preprocess vs vLLM, packed vs loop encoder, image TTFT
+    moonserve bench reliability [--out FILE]  # 5x overload: sent/completed/rejected/lost; recovery
+    moonserve bench speculative [--out FILE]  # decode tok/s: no spec, vLLM ngram, DraftService arms
+    moonserve plan [--json]                # capacity of Kimi K3.1 Pro on 8x MI355X
+    moonserve plan --checkpoint PATH       # ... with the weights measured in a checkpoint
+    moonserve check-checkpoint PATH [--json] [--tp 8]  # preflight a checkpoint from its headers
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from moonserve.pipeline.config import DEFAULT_CONFIG
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from moonserve.pipeline.prepare.language_model import prepare_drafter, prepare_language_model, prepare_vision_encoder
+
+    lm_path = prepare_language_model(progress=not args.quiet)
+    print(lm_path)
+    print(prepare_vision_encoder(lm_path))
+    print(prepare_drafter(lm_path))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from moonserve.pipeline.app.server import ServeOptions, run_until_signalled
+
+    options = ServeOptions(
+        config=Path(args.config), address=args.address, host=args.host, port=args.port,
+        dashboard_port=args.dashboard_port, metrics_export_port=args.metrics_export_port,
+    )
+    try:
+        return run_until_signalled(options)
+    except (ValidationError, ValueError, FileNotFoundError) as exc:
+        # Config mistakes (raised before Ray starts): the message names the key; no traceback.
+        print(f"moonserve serve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    return BENCHMARKS[args.bench]().main(args)
+
+
+def bench_module(name: str):
+    """Imported when the parser is built; a benchmark module keeps torch, Ray and vLLM imports
+    inside its `main`, so `moonserve --help` stays fast."""
+    import importlib
+
+    return lambda: importlib.import_module(f"moonserve.pipeline.bench.{name}")
+
+
+BENCHMARKS = {"overhead": bench_module("overhead"), "lanes": bench_module("lanes"),
+              "vision": bench_module("vision"), "reliability": bench_module("reliability"),
+              "speculative": bench_module("speculative")}
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from moonserve.pipeline.capacity.plan import HARDWARE, check_against_brief, format_plan, plan, plan_to_dict
+
+    try:
+        apply_config_to_plan(args)
+        model = plan_model(args)
+        if model is None:
+            return 1
+        result = plan(model, HARDWARE[args.hardware], args.tensor_parallel_size,
+                      args.decode_context_parallel_size,
+                      gpu_memory_utilization=args.gpu_memory_utilization)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"moonserve plan: error: {exc}", file=sys.stderr)
+        return 2
+    # The brief describes the nominal model; a measured checkpoint is reported, not judged.
+    brief_checked = args.model == "kimi-k3.1-pro" and args.checkpoint is None
+    violations = check_against_brief(result) if brief_checked else []
+    if args.json:
+        print(json.dumps({**plan_to_dict(result), "brief_checked": brief_checked,
+                          "brief_violations": violations}, indent=2))
+    else:
+        print(format_plan(result))
+        verdict = "ok" if brief_checked else "skipped (measured checkpoint)"
+        print("\n".join(f"brief check: {v}" for v in violations) or f"brief check: {verdict}")
+    return 1 if violations else 0
+
+
+def apply_config_to_plan(args: argparse.Namespace) -> None:
+    """--config: the parallelism and memory settings of that config's LanguageModel engine."""
+    if args.config is None:
+        return
+    from moonserve.pipeline.config import load_app_config
+
+    engine = load_app_config(args.config).language_model.engine
+    args.tensor_parallel_size = engine.tensor_parallel_size
+    args.decode_context_parallel_size = engine.decode_context_parallel_size
+    args.gpu_memory_utilization = engine.gpu_memory_utilization
+    print(f"plan: engine settings from {args.config}: tensor_parallel_size "
+          f"{engine.tensor_parallel_size}, decode_context_parallel_size "
+          f"{engine.decode_context_parallel_size}, gpu_memory_utilization "
+          f"{engine.gpu_memory_utilization}", file=sys.stderr)
+
+
+def plan_model(args: argparse.Namespace):
+    """The nominal model, or with --checkpoint the measured one; None when the check fails."""
+    from moonserve.pipeline.capacity.checkpoint import check_checkpoint, format_report
+    from moonserve.pipeline.capacity.plan import MODELS, with_checkpoint
+
+    if args.checkpoint is None:
+        return MODELS[args.model]
+    report = check_checkpoint(args.checkpoint, args.tensor_parallel_size)
+    if not report.ok:
+        print(format_report(report), file=sys.stderr)
+        return None
+    return with_checkpoint(MODELS[args.model], report)
+
+
+def cmd_check_checkpoint(args: argparse.Namespace) -> int:
+    import json
+
+    from moonserve.pipeline.capacity.checkpoint import check_checkpoint, format_report, report_to_dict
+
+    if args.tp < 1:
+        print(f"moonserve check-checkpoint: error: --tp {args.tp}: must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        report = check_checkpoint(args.path, args.tp)
+    except FileNotFoundError as exc:
+        print(f"moonserve check-checkpoint: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report_to_dict(report), indent=2) if args.json else format_report(report))
+    return 0 if report.ok else 1
+
+
+CHECK_CHECKPOINT_HELP = """\
+Preflight a safetensors checkpoint from its headers alone (no tensor data is read).
+
+PATH is a directory (config.json, model.safetensors.index.json and its shards, or one
+.safetensors file) or a single .safetensors file. Pairs MXFP4 blocks with their E8M0 scales and
+FP8 weights with theirs; with a Kimi K3 (or Kimi Linear) config.json beside it, checks that every
+tensor vLLM's loader expects is there with the right shape and dtype, and reports parameters and
+bytes by component and format, in total and per TP rank (vLLM's sharding rules).
+
+Exit status: 0 no problems (warnings allowed), 1 problems found (each names its file or tensor),
+2 usage error (bad arguments, PATH does not exist)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moonserve", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    prepare = sub.add_parser("prepare", help="build the embedded LM checkpoint, the embedded "
+                             "(random-weight) vision encoder and the embedded DSpark drafter under "
+                             "$MOONSERVE_HOME (default ~/.cache/moonserve); idempotent")
+    prepare.add_argument("--quiet", action="store_true", help="no progress bar")
+    prepare.set_defaults(func=cmd_prepare)
+
+    serve = sub.add_parser("serve", help="run the app (Ray Serve) until Ctrl-C/SIGTERM")
+    serve.add_argument("--config", default=str(DEFAULT_CONFIG),
+                       help="Ray Serve config file (default: configs/local.yaml)")
+    serve.add_argument("--address", default=None,
+                       help="connect to this Ray cluster instead of starting a local one")
+    serve.add_argument("--host", default=None, help="HTTP host (default: the config's, 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=None, help="HTTP port (default: the config's, 8000)")
+    serve.add_argument("--dashboard-port", type=int, default=8265,
+                       help="Ray dashboard port of a local cluster (default 8265)")
+    serve.add_argument("--metrics-export-port", type=int, default=None,
+                       help="Prometheus port of a local cluster's Ray node (default: Ray picks "
+                       "one; the URL is printed at start)")
+    serve.set_defaults(func=cmd_serve)
+
+    from moonserve.pipeline.capacity.plan import HARDWARE, MODELS
+
+    plan = sub.add_parser("plan", help="capacity plan: weights, KV/state, concurrency, roofline")
+    plan.add_argument("--model", choices=sorted(MODELS), default="kimi-k3.1-pro")
+    plan.add_argument("--hardware", choices=sorted(HARDWARE), default="mi355x")
+    plan.add_argument("--tensor-parallel-size", type=int, default=8)
+    plan.add_argument("--decode-context-parallel-size", type=int, default=1)
+    plan.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    plan.add_argument("--json", action="store_true", help="JSON instead of tables")
+    plan.add_argument("--config", metavar="FILE", default=None,
+                      help="take tensor/decode-context parallel size and GPU memory utilization "
+                      "from this Ray Serve config's language_model.engine (e.g. "
+                      "configs/mi355x-k3.1-pro.yaml); overrides those three flags")
+    plan.add_argument("--checkpoint", metavar="PATH", default=None,
+                      help="plan with the weights check-checkpoint measures in PATH (bytes per GPU "
+                      "as stored, vLLM's TP rules) and its config.json's layer and expert counts; "
+                      "exits 1 if the check finds problems; the brief check is skipped")
+    plan.set_defaults(func=cmd_plan)
+
+    check = sub.add_parser("check-checkpoint", help="preflight a safetensors checkpoint from its "
+                           "headers: expected tensors, shapes, MXFP4 scales, bytes per TP rank",
+                           description=CHECK_CHECKPOINT_HELP,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    check.add_argument("path", metavar="PATH", help="checkpoint directory or .safetensors file")
+    check.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=8,
+                       help="tensor-parallel size for the bytes per rank (default 8)")
+    check.add_argument("--json", action="store_true", help="JSON report instead of tables")
+    check.set_defaults(func=cmd_check_checkpoint)
+
+    bench = sub.add_parser("bench", help="benchmarks (JSON results)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    for name, module in BENCHMARKS.items():
+        mod = module()
+        mod.add_arguments(bench_sub.add_parser(name, help=mod.__doc__.split("\n")[0],
+                                               description=mod.__doc__,
+                                               formatter_class=argparse.RawDescriptionHelpFormatter))
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+if __name__ == "__main__":
+    sys.exit(main())

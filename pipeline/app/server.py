@@ -1,0 +1,154 @@
+"""`moonserve serve`: start (or join) Ray, deploy the config's applications, stop cleanly on a signal.
+
+The config file is the same Ray Serve config file `serve run` takes. Its applications' `args` are
+validated before Ray starts, so a typo fails in a second, not after an engine start.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+from moonserve.pipeline.config import EMBEDDED_MODEL, AppConfig, load_serve_config
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    config: Path
+    address: str | None = None
+    host: str | None = None
+    port: int | None = None
+    dashboard_port: int = 8265
+    # Port of the local Ray node's Prometheus endpoint (None: Ray picks a free one).
+    metrics_export_port: int | None = None
+
+
+@dataclass(frozen=True)
+class AppSpec:
+    name: str
+    route_prefix: str
+    config: AppConfig
+
+
+def read_apps(path: Path) -> tuple[dict, list[AppSpec]]:
+    """The config's `http_options` and its validated applications."""
+    data = load_serve_config(path)
+    apps = []
+    for i, app in enumerate(data["applications"]):
+        if app.get("deployments"):
+            raise ValueError(
+                f"{path}: applications[{i}].deployments: moonserve takes deployment options from "
+                "`args` (router.deployment, language_model.deployment); remove this block"
+            )
+        apps.append(AppSpec(app.get("name", "default"), app.get("route_prefix", "/"),
+                            AppConfig.model_validate(app.get("args") or {})))
+    return data.get("http_options") or {}, apps
+
+
+def start_ray(options: ServeOptions) -> None:
+    import ray
+
+    if options.address:
+        ray.init(address=options.address)
+        return
+    ray.init(include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=options.dashboard_port,
+             _metrics_export_port=options.metrics_export_port)
+
+
+def metrics_url() -> str | None:
+    """The Prometheus endpoint of this driver's Ray node (moonserve's and Ray's own metrics)."""
+    import ray
+
+    node = next((n for n in ray.nodes() if n.get("Alive") and n.get("MetricsExportPort")), None)
+    return None if node is None else \
+        f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+
+
+def prepare_embedded(apps: list[AppSpec]) -> None:
+    """Build the embedded checkpoint before Ray starts, so its progress bar is readable."""
+    if any(a.config.language_model.engine.model == EMBEDDED_MODEL for a in apps):
+        from moonserve.pipeline.prepare.language_model import prepare_language_model, prepare_vision_encoder
+
+        lm_path = prepare_language_model()
+        if any(a.config.vision and a.config.vision.encoder.model == EMBEDDED_MODEL for a in apps):
+            prepare_vision_encoder(lm_path)
+
+
+def deploy(options: ServeOptions, http: dict, apps: list[AppSpec]) -> tuple[str, int]:
+    from ray import serve
+
+    from moonserve.deployments.builder import build_app
+
+    host = options.host or http.get("host", "127.0.0.1")
+    port = options.port or int(http.get("port", 8000))
+    serve.start(http_options={"host": host, "port": port})
+    for app in apps:
+        serve.run(build_app(app.config), name=app.name, route_prefix=app.route_prefix)
+    return host, port
+
+
+class ShutdownRequested(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def shutdown_handler():
+    """A handler that turns the first SIGINT/SIGTERM into `ShutdownRequested`, so start-up or
+    serving unwinds into the cleanup in `run_until_signalled`; later signals are ignored."""
+    requested: list[int] = []
+
+    def handler(signum, frame):
+        if requested:
+            return
+        requested.append(signum)
+        raise ShutdownRequested(signum)
+
+    return handler
+
+
+def listen(handler) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+
+
+def run_until_signalled(options: ServeOptions) -> int:
+    """Deploy, serve until Ctrl-C/SIGTERM, then stop what was started. Config errors are raised
+    before Ray starts."""
+    import ray
+
+    http, apps = read_apps(options.config)
+    handler = shutdown_handler()
+    listen(handler)
+    try:
+        prepare_embedded(apps)
+        start_ray(options)
+        listen(handler)  # ray.init installs its own SIGTERM handler (it aborts the driver)
+        host, port = deploy(options, http, apps)
+        print(f"moonserve: OpenAI API at http://{host}:{port}/v1 (health: /health)", flush=True)
+        if not options.address:
+            print(f"moonserve: Ray dashboard at http://127.0.0.1:{options.dashboard_port}",
+                  flush=True)
+        print(f"moonserve: Prometheus metrics at {metrics_url()}", flush=True)
+        while True:
+            signal.pause()
+    except ShutdownRequested as request:
+        print(f"moonserve: {request} received, shutting down", flush=True)
+    finally:
+        if ray.is_initialized():
+            stop(options, apps)
+    return 0
+
+
+def stop(options: ServeOptions, apps: list[AppSpec]) -> None:
+    """Local cluster: stop Serve and Ray. Shared cluster: remove only this config's apps."""
+    import ray
+    from ray import serve
+
+    if options.address:
+        for app in apps:
+            serve.delete(app.name)
+        return
+    serve.shutdown()
+    ray.shutdown()

@@ -1,0 +1,207 @@
+"""Speculative decoding in the running app: the session server drafts through the DraftService.
+
+Greedy output with each drafter equals output without speculation (the same engine with the
+`none` drafter: every step drafts nothing), on 20 text prompts and 2 image prompts; seeded
+sampled tokens follow the model's exact distribution with and without speculation; sessions are
+released as requests finish. The engine-side spec counters prove drafts were proposed and
+accepted, so the tests cannot pass by never speculating.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import pytest
+
+from moonserve.pipeline.bench.corpus import chat_prompts, copy_prompts
+from tests.conftest import MODEL
+
+GREEDY_TOKENS = 32
+
+
+def draft_handle(server):
+    from ray import serve
+
+    server.lm_handle()  # joins the server's Ray cluster
+    return serve.get_deployment_handle("DraftService", app_name="moonserve")
+
+
+# The embedded DSpark drafter needs ~40 ms per block on this CPU, over the 25 ms configured:
+# give it time, so its drafts reach the engine and get verified.
+DEADLINE_MS = {"dspark": 1000.0}
+
+
+@contextmanager
+def drafter(server, name: str):
+    handle = draft_handle(server)
+    handle.set_drafter.remote(name).result()
+    handle.set_deadline.remote(DEADLINE_MS.get(name)).result()
+    try:
+        yield handle
+    finally:
+        handle.set_drafter.remote("ngram").result()
+        handle.set_deadline.remote(None).result()
+
+
+def spec_counters(server) -> tuple[int, int]:
+    stats = server.lm_stats()
+    return stats["num_draft_tokens"], stats["num_accepted_tokens"]
+
+
+def image_messages() -> list[list[dict]]:
+    from tests.test_multimodal import data_url, image_chat, png
+
+    return [image_chat(data_url(png((70, 98), (200, 30, 30)))),
+            image_chat(data_url(png((128, 64), (10, 90, 200))))]
+
+
+def greedy_texts(client, conversations: list[list[dict]]) -> list[str]:
+    # One at a time: the same batch shapes in every arm, so only speculation differs.
+    return [client.chat.completions.create(model=MODEL, messages=m, max_tokens=GREEDY_TOKENS,
+                                           temperature=0).choices[0].message.content
+            for m in conversations]
+
+
+@pytest.fixture(scope="module")
+def conversations() -> list[list[dict]]:
+    texts = copy_prompts(14) + chat_prompts(6)
+    return [[{"role": "user", "content": t}] for t in texts] + image_messages()
+
+
+@pytest.fixture(scope="module")
+def without_speculation(server, client, conversations) -> list[str]:
+    with drafter(server, "none"):
+        before = spec_counters(server)
+        texts = greedy_texts(client, conversations)
+        assert spec_counters(server)[1] == before[1], "the none drafter must draft nothing"
+    return texts
+
+
+@pytest.mark.parametrize("name", ["ngram", "dspark"])
+def test_greedy_output_with_each_drafter_equals_output_without(server, client, conversations,
+                                                               without_speculation, name):
+    with drafter(server, name):
+        drafted, accepted = spec_counters(server)
+        texts = greedy_texts(client, conversations)
+        drafted, accepted = (a - b for a, b in zip(spec_counters(server), (drafted, accepted)))
+    mismatched = [i for i, (a, b) in enumerate(zip(texts, without_speculation)) if a != b]
+    assert not mismatched, [(i, texts[i], without_speculation[i]) for i in mismatched]
+    assert accepted > 0, f"{name}: {drafted} draft tokens, none accepted: nothing was verified"
+
+
+# Two copies of a line, then its start: after " lantern" (probability 0.45 at temperature 1) the
+# n-gram drafter proposes " orbit velvet harbor copper", and the target agrees with " orbit" only
+# 56% of the time, so a verifier that kept drafts it should reject would over-produce the copy.
+SAMPLED_PROMPT = "river stone lantern orbit velvet harbor copper meadow\n" * 2 + "river stone"
+SAMPLES = 200
+
+
+def exact_pair_distribution(reference_model, prompt: str, temperature: float) -> Counter:
+    """P(text of the first two sampled tokens), from the reference model's float64 softmax; pairs
+    whose first token has probability < 0.005, or whose joint probability is < 1e-4, are left out
+    (the tests pool them as the rest)."""
+    import torch
+
+    model, tokenizer = reference_model
+    ids = tokenizer.encode(prompt)
+    with torch.no_grad():
+        first = torch.softmax(model(torch.tensor([ids])).logits[0, -1].double() / temperature, -1)
+        firsts = (first >= 0.005).nonzero().flatten().tolist()
+        second = model(torch.tensor([ids + [t] for t in firsts])).logits[:, -1].double()
+        second = torch.softmax(second / temperature, -1)
+    dist = Counter()
+    for row, t0 in enumerate(firsts):
+        joint = first[t0] * second[row]
+        for t1 in (joint >= 1e-4).nonzero().flatten().tolist():
+            dist[tokenizer.decode([t0, t1])] += joint[t1].item()
+    return dist
+
+
+def sample_pairs(client, seeds: range) -> list[str]:
+    def one(seed: int) -> str:
+        return client.completions.create(model=MODEL, prompt=SAMPLED_PROMPT, max_tokens=2,
+                                         temperature=1.0, seed=seed,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+
+    with ThreadPoolExecutor(8) as pool:
+        return list(pool.map(one, seeds))
+
+
+def fit_pvalue(samples: list[str], dist: Counter) -> float:
+    """Chi-square goodness of fit to `dist`: texts expected 5+ times, and the pooled rest."""
+    from scipy.stats import chisquare
+
+    n, observed = len(samples), Counter(samples)
+    texts = [t for t, p in dist.items() if p * n >= 5]
+    expected = [dist[t] * n for t in texts]
+    counts = [observed[t] for t in texts]
+    return chisquare(counts + [n - sum(counts)], expected + [n - sum(expected)]).pvalue
+
+
+def homogeneity_pvalue(a: list[str], b: list[str]) -> float:
+    """Two-sample chi-square: texts seen 10+ times in both samples together, and the rest."""
+    from scipy.stats import chi2_contingency
+
+    ca, cb = Counter(a), Counter(b)
+    texts = [t for t in ca.keys() | cb.keys() if ca[t] + cb[t] >= 10]
+    rows = [[ca[t] for t in texts], [cb[t] for t in texts]]
+    rows[0].append(len(a) - sum(rows[0]))
+    rows[1].append(len(b) - sum(rows[1]))
+    return chi2_contingency(rows).pvalue
+
+
+FIRST, COPY = " lantern", " lantern orbit"
+
+
+def copy_pvalue(samples: list[str], dist: Counter) -> float:
+    """Binomial test at the drafted position: of the samples that start with FIRST, the share
+    that go on with the drafted " orbit" against its exact conditional probability."""
+    from scipy.stats import binomtest
+
+    share = dist[COPY] / sum(p for t, p in dist.items() if t.startswith(FIRST))
+    started = sum(t.startswith(FIRST) for t in samples)
+    return binomtest(samples.count(COPY), started, share).pvalue
+
+
+def test_sampled_tokens_follow_the_exact_distribution_with_and_without(server, client,
+                                                                       reference_model):
+    exact = exact_pair_distribution(reference_model, SAMPLED_PROMPT, 1.0)
+    with drafter(server, "ngram"):
+        before = spec_counters(server)
+        with_spec = sample_pairs(client, range(SAMPLES))
+        drafted, accepted = (a - b for a, b in zip(spec_counters(server), before))
+    with drafter(server, "none"):
+        without = sample_pairs(client, range(SAMPLES, 2 * SAMPLES))
+    print(f"\nsampled: {drafted} drafts, {accepted} accepted; {COPY!r}: "
+          f"{with_spec.count(COPY)} with, {without.count(COPY)} without, "
+          f"{exact[COPY] * SAMPLES:.1f} expected")
+    # Drafts were verified, and some rejected: the copy is not always right at temperature 1.
+    assert accepted > 0 and drafted > accepted, f"{drafted} drafts, {accepted} accepted"
+    for name, samples in (("with speculation", with_spec), ("without", without)):
+        p = fit_pvalue(samples, exact)
+        assert p > 1e-3, f"{name}: not the model's distribution (p={p:.2g}): {Counter(samples)}"
+        p = copy_pvalue(samples, exact)
+        assert p > 1e-3, f"{name}: {COPY!r} off its exact probability (p={p:.2g})"
+    p = homogeneity_pvalue(with_spec, without)
+    assert p > 1e-3, f"with and without speculation differ (p={p:.2g})"
+    # Power: these samples tell the exact distribution from the one a verifier that accepted
+    # every " orbit" draft would give (all of " lantern ..." moved to the copy).
+    lossy = Counter({t: p for t, p in exact.items() if not t.startswith(FIRST)})
+    lossy[COPY] = sum(p for t, p in exact.items() if t.startswith(FIRST))
+    p = fit_pvalue(with_spec, lossy)
+    assert p < 1e-3, f"the test cannot tell a lossy verifier's distribution apart (p={p:.2g})"
+
+
+def test_sessions_are_released_as_requests_finish(server, client):
+    handle = draft_handle(server)
+    before = handle.stats.remote().result()
+    for prompt in copy_prompts(12, seed=5):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                       max_tokens=8)
+    after = handle.stats.remote().result()
+    assert after["num_opened"] - before["num_opened"] >= 12
+    # Each request leaves the batch before the next starts: only the last may still be open.
+    assert after["num_sessions"] <= 1
+    assert after["num_released"] - before["num_released"] >= 11

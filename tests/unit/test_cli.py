@@ -1,0 +1,61 @@
+"""The command line and the documented commands."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+
+def moonserve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "moonserve.pipeline.app.cli", *args], capture_output=True,
+                          text=True, timeout=300, cwd=REPO)
+
+
+def test_plan_json_reproduces_the_brief():
+    out = moonserve("plan", "--json")
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["brief_violations"] == []
+    assert abs(plan["used_bytes_per_gpu_at_start"] / 1e9 - 199) < 0.05 * 199
+
+
+def test_plan_rejects_a_layout_vllm_would_refuse():
+    out = moonserve("plan", "--decode-context-parallel-size", "3")
+    assert out.returncode == 2 and "decode_context_parallel_size" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_help_lists_the_commands():
+    out = moonserve("--help")
+    assert out.returncode == 0
+    for command in ("prepare", "serve", "bench", "plan"):
+        assert command in out.stdout
+
+
+def test_ci_runs_exactly_the_readme_setup_and_test_commands():
+    readme = (REPO / "README.md").read_text().splitlines()
+    ci = (REPO / ".ci" / "run").read_text().splitlines()
+    for marker in ("# README: setup", "# README: test"):
+        command = ci[ci.index(marker) + 1]
+        assert command in readme, f"{command!r} from .ci/run is not in README.md"
+
+
+def test_serve_with_a_config_typo_fails_fast_naming_the_key(tmp_path):
+    import yaml
+
+    data = yaml.safe_load((REPO / "configs" / "local.yaml").read_text())
+    data["applications"][0]["args"]["language_model"]["engine"]["max_model_lenght"] = 10
+    path = tmp_path / "typo.yaml"
+    path.write_text(yaml.safe_dump(data))
+    out = moonserve("serve", "--config", str(path), "--port", "8199")
+    assert out.returncode == 2
+    assert "language_model.engine.max_model_lenght" in out.stderr.replace("\n  ", ".")
+    assert "Traceback" not in out.stderr
+
+
+def test_serve_with_a_missing_config_fails_fast():
+    out = moonserve("serve", "--config", "/nonexistent/moonserve.yaml")
+    assert out.returncode == 2 and "/nonexistent/moonserve.yaml" in out.stderr

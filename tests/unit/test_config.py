@@ -1,0 +1,175 @@
+"""The typed app config: the shipped configs validate, mistakes fail naming the key."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from moonserve.pipeline.config import AppConfig, load_app_config
+from moonserve.pipeline.app.server import read_apps
+from tests.conftest import LOCAL_CONFIG
+
+
+def local_args() -> dict:
+    return yaml.safe_load(LOCAL_CONFIG.read_text())["applications"][0]["args"]
+
+
+def test_local_config_is_the_embedded_float32_default():
+    cfg = load_app_config(LOCAL_CONFIG)
+    assert cfg.language_model.engine.model == "embedded"
+    assert cfg.language_model.engine.dtype == "float32"
+    assert cfg.language_model.placement.bundles == [{"CPU": 1.0}]
+
+
+def test_local_config_is_a_ray_serve_config_file():
+    from ray.serve.schema import ServeDeploySchema
+
+    schema = ServeDeploySchema.model_validate(yaml.safe_load(LOCAL_CONFIG.read_text()))
+    assert schema.applications[0].import_path == "moonserve.deployments.builder:build_app"
+
+
+@pytest.mark.parametrize("path,key", [
+    (("language_model", "engine", "dtyp"), "language_model.engine.dtyp"),
+    (("router", "max_body"), "router.max_body"),
+    (("language_model", "placment"), "language_model.placment"),
+    (("tokenizer",), "tokenizer"),
+])
+def test_unknown_keys_fail_naming_the_key(path, key):
+    args = local_args()
+    node = args
+    for part in path[:-1]:
+        node = node[part]
+    node[path[-1]] = 1
+    with pytest.raises(ValidationError) as err:
+        AppConfig.model_validate(args)
+    assert key in str(err.value).replace("\n  ", ".").replace("\n", ".")
+    assert "Extra inputs are not permitted" in str(err.value)
+
+
+def test_mistyped_values_fail_naming_the_key():
+    args = local_args()
+    args["language_model"]["engine"]["max_model_len"] = "lots"
+    with pytest.raises(ValidationError, match="max_model_len"):
+        AppConfig.model_validate(args)
+    args = local_args()
+    args["language_model"]["engine"]["dtype"] = "float8"
+    with pytest.raises(ValidationError, match="dtype"):
+        AppConfig.model_validate(args)
+
+
+def test_tensor_parallel_needs_a_bundle_per_rank():
+    args = local_args()
+    args["language_model"]["engine"]["tensor_parallel_size"] = 3
+    with pytest.raises(ValidationError, match="one bundle per TP rank"):
+        AppConfig.model_validate(args)
+    args["language_model"]["placement"]["bundles"] = [{"CPU": 0.3}] * 3
+    assert AppConfig.model_validate(args).language_model.engine.tensor_parallel_size == 3
+
+
+def test_serve_rejects_ray_deployment_overrides(tmp_path):
+    data = yaml.safe_load(LOCAL_CONFIG.read_text())
+    data["applications"][0]["deployments"] = [{"name": "Router", "num_replicas": 2}]
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ValueError, match=r"applications\[0\].deployments"):
+        read_apps(path)
+
+
+def test_builder_binds_router_and_language_model_from_config():
+    """The app graph and resources come from the typed config (no Ray started)."""
+    from moonserve.deployments.builder import language_model_options, router_options
+
+    cfg = load_app_config(LOCAL_CONFIG)
+    lm = language_model_options(cfg.language_model)
+    assert lm["placement_group_bundles"] == [{"CPU": 1.0}]
+    assert lm["placement_group_strategy"] == "STRICT_PACK"
+    assert lm["ray_actor_options"]["runtime_env"]["env_vars"]["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
+    assert router_options(cfg.router)["max_ongoing_requests"] == 256
+
+
+def test_serve_run_path_builds_the_app_from_the_yaml():
+    """What `serve run configs/local.yaml` does: import the builder, validate `args` through its
+    annotation, build the graph (binding needs no running Ray)."""
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+    from ray._common.utils import import_attr
+
+    app_entry = yaml.safe_load(LOCAL_CONFIG.read_text())["applications"][0]
+    builder = import_attr(app_entry["import_path"])
+    app = call_user_app_builder_with_args_if_necessary(builder, app_entry["args"])
+    assert app._bound_deployment.name == "Router"
+
+    bad = {**app_entry["args"], "routr": {}}
+    with pytest.raises(ValidationError, match="routr"):
+        call_user_app_builder_with_args_if_necessary(builder, bad)
+
+
+@pytest.mark.parametrize("args, needle", [
+    ({"router": {"deployment": {"max_ongoing_requests": 50}}},
+     "max_ongoing_requests (50) is below what the lanes hold (in flight + queued = 216)"),
+    ({"language_model": {"deployment": {"max_ongoing_requests": 20}}},
+     "must exceed the requests the router lanes admit (56)"),
+    ({"language_model": {"engine": {"scheduling_policy": "fcfs"}}},
+     "scheduling_policy is not 'priority'"),
+    ({"router": {"limits": {"max_tokens": 8, "default_max_tokens": 16}}},
+     "default_max_tokens (16) is over max_tokens (8)"),
+    ({"router": {"lanes": {"interactive": {"max_in_flight": 0, "max_queue": 1}}}},
+     "router.lanes.interactive.max_in_flight"),
+    ({"draft": {"mode": "service", "deployment": {"num_replicas": 2}}},
+     "the DraftService keeps each request's context in its replica"),
+    ({"draft": {"mode": "inline", "drafter": "dspark"}},
+     "needs a target checkpoint that ships DSpark weights"),
+    ({"draft": {"ngram_min": 6, "ngram_max": 5}}, "draft.ngram_min (6) is over draft.ngram_max (5)"),
+    ({"draft": {"mode": "sometimes"}}, "draft.mode"),
+    ({"language_model": {"engine": {"background_priority": 10, "strict_prefill_priority": False}}},
+     "background_priority needs scheduling_policy: priority and strict_prefill_priority: true"),
+    ({"language_model": {"engine": {"background_priority": 0, "strict_prefill_priority": True}}},
+     ("router.lanes.interactive.priority (0) must be better (lower) than "
+      "language_model.engine.background_priority (0)")),
+])
+def test_inconsistent_lane_and_limit_settings_fail_at_load(args, needle):
+    with pytest.raises(ValidationError) as err:
+        AppConfig.model_validate(args)
+    assert needle in str(err.value)
+
+
+def test_local_engine_runs_the_lane_scheduler_with_the_long_lane_as_background():
+    from moonserve.deployments.language_model import engine_args
+
+    cfg = load_app_config(LOCAL_CONFIG)
+    engine = cfg.language_model.engine
+    args = engine_args(engine, "/models/embedded")
+    assert args.scheduler_cls == "moonserve.pipeline.engine.lane_scheduler.LaneScheduler"
+    assert args.async_scheduling is False  # LaneScheduler extends the synchronous scheduler
+    assert args.additional_config["moonserve_lanes"]["background_priority"] == \
+        cfg.router.lanes.long_context.priority
+    fcfs = engine.model_copy(update={"scheduling_policy": "fcfs", "background_priority": None})
+    assert fcfs.scheduler_cls() is None  # vLLM's own scheduler
+
+
+def test_lanes_off_needs_no_priority_scheduling():
+    cfg = AppConfig.model_validate({"router": {"lanes": {"enabled": False}},
+                                    "language_model": {"engine": {"scheduling_policy": "fcfs"}}})
+    assert list(cfg.router.lanes.active()) == ["fifo"]
+
+
+def test_image_preprocessor_defaults_are_the_preprocessing_defaults():
+    from moonserve.deployments.preprocess import preprocess_config
+    from moonserve.pipeline.config import ImagePreprocessorConfig
+    from moonserve.pipeline.vision.preprocess import PreprocessConfig
+
+    assert preprocess_config(ImagePreprocessorConfig()) == PreprocessConfig()
+
+
+def test_draft_modes_become_vllm_speculative_configs():
+    from moonserve.pipeline.config import DraftConfig
+
+    assert DraftConfig(mode="off").speculative_config() is None
+    assert DraftConfig(mode="service", num_speculative_tokens=3).speculative_config() == {
+        "method": "custom_class", "num_speculative_tokens": 3,
+        "model": "moonserve.pipeline.engine.proposer.ServiceProposer"}
+    assert DraftConfig(mode="inline", drafter="ngram", ngram_min=2, ngram_max=4) \
+        .speculative_config() == {"method": "ngram", "num_speculative_tokens": 4,
+                                  "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    local = load_app_config(LOCAL_CONFIG).draft
+    assert (local.mode, local.drafter) == ("service", "ngram")

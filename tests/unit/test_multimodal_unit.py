@@ -1,0 +1,60 @@
+"""Placeholder expansion, embedding splice and the encoder cache (pure, no Ray)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moonserve.pipeline.api.placeholders import expand_placeholders
+from moonserve.pipeline.engine.splice import placeholder_runs, splice_image_embeddings
+from moonserve.pipeline.vision.cache import EmbeddingCache
+
+P = 7
+
+
+def test_expand_gives_each_image_its_run_in_order():
+    assert expand_placeholders([1, P, 2, P, 3], P, [2, 3]) == [1, P, P, 2, P, P, P, 3]
+    assert expand_placeholders([1, 2], P, []) == [1, 2]
+
+
+@pytest.mark.parametrize("ids, counts", [([1, P, P, 2], [4]), ([1, 2], [3]), ([P], [1, 1])])
+def test_expand_refuses_a_placeholder_count_that_is_not_the_image_count(ids, counts):
+    with pytest.raises(ValueError, match="image placeholder"):
+        expand_placeholders(ids, P, counts)
+
+
+def test_splice_writes_each_image_over_its_run_and_keeps_text_rows():
+    ids = torch.tensor(expand_placeholders([1, P, 2, P, 3], P, [2, 3]))
+    tokens = torch.arange(len(ids) * 4, dtype=torch.float32).reshape(len(ids), 4)
+    images = [torch.full((2, 4), -1.0), torch.full((3, 4), -2.0)]
+    out = splice_image_embeddings(tokens, ids, P, images)
+    assert placeholder_runs(ids, P) == [(1, 2), (4, 3)]
+    assert torch.equal(out[1:3], images[0]) and torch.equal(out[4:7], images[1])
+    text = torch.tensor([0, 3, 7])
+    assert torch.equal(out[text], tokens[text])
+    assert torch.equal(tokens[1], torch.arange(4, 8, dtype=torch.float32)), "input not modified"
+
+
+@pytest.mark.parametrize("images, needle", [
+    ([torch.zeros(2, 4)], "placeholder runs"),
+    ([torch.zeros(2, 4), torch.zeros(3, 5)], "hidden size 5"),
+])
+def test_splice_refuses_mismatched_images(images, needle):
+    ids = torch.tensor(expand_placeholders([1, P, 2, P, 3], P, [2, 3]))
+    with pytest.raises(ValueError, match=needle):
+        splice_image_embeddings(torch.zeros(len(ids), 4), ids, P, images)
+
+
+def test_cache_is_lru_and_bounded_by_bytes():
+    a, b, c = (np.zeros((10, 10), np.float32) for _ in range(3))  # 400 bytes each
+    cache = EmbeddingCache(max_bytes=1000)
+    cache.put("a", a)
+    cache.put("b", b)
+    assert cache.get("a") is a  # a is now the most recent
+    cache.put("c", c)           # evicts b, the least recently used
+    assert cache.get("b") is None and cache.get("c") is c
+    assert cache.bytes == 800 and cache.stats()["entries"] == 2
+    cache.put("huge", np.zeros(1000, np.float32))  # larger than the cache: not kept
+    assert cache.get("huge") is None and cache.bytes == 800
+    assert (cache.hits, cache.misses) == (2, 2)

@@ -1,0 +1,245 @@
+"""The draft path without an engine: `DraftCore` steps, the wire format, and the proposer's client
+against the real StepServer and EndpointResolver over real sockets.
+
+Only Serve's handle is replaced (`Endpoints`: the resolver's one call, where the service is); the
+step server answers from a real `DraftCore`, after a chosen delay. What is under test is the
+deadline, skip and reconnect behaviour. The Serve path itself is tested with the running app in
+tests/test_speculative_server.py and tests/test_faults.py.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from moonserve.pipeline.speculative.endpoint import EndpointResolver, StepServer
+from moonserve.pipeline.speculative.ngram import NgramDrafter
+from moonserve.pipeline.engine.proposer import DraftClient, ProposerStats
+from moonserve.pipeline.speculative.service import DraftCore
+from moonserve.pipeline.speculative.wire import FrameReader, send_frame
+
+COPY = [7, 8, 9, 10, 11, 12, 13, 7, 8, 9]
+
+
+def core(prefetch: bool = True) -> DraftCore:
+    return DraftCore({"ngram": lambda: NgramDrafter(min_n=2, max_n=3)}, "ngram",
+                     prefetch=prefetch)
+
+
+def step(c: DraftCore, rows, k=3, release=()):
+    reply, observation = c.step({"seq": 1, "k": k, "rows": rows, "release": list(release)})
+    return reply, observation
+
+
+def test_step_drafts_per_row_and_resends_when_tokens_are_missing():
+    c = core()
+    reply, obs = step(c, [["a", 0, COPY], ["b", 5, [1, 2]]])
+    assert reply["drafts"] == [[10, 11, 12], []]
+    assert reply["resend_from"] == [-1, 0]  # "b" was never opened: send from 0
+    assert obs.num_resends == 1 and obs.num_drafts == [3, 0]
+    reply, _ = step(c, [["b", 0, [1, 2, 1, 2]]])
+    assert reply["drafts"] == [[1, 2]] and reply["resend_from"] == [-1]
+
+
+def test_duplicate_step_from_another_rank_gets_the_same_drafts():
+    c = core()
+    first, _ = step(c, [["a", 0, COPY]])
+    again, _ = step(c, [["a", 0, COPY]])
+    assert first["drafts"] == again["drafts"]
+    assert c.sessions.stats.num_truncations == 0
+
+
+def test_prefetch_answers_a_fully_accepted_step_and_counts_acceptance():
+    c = core()
+    reply, _ = step(c, [["a", 0, COPY]])
+    assert reply["drafts"] == [[10, 11, 12]]
+    assert c.prefetch() == 1
+    # The target accepted 10, 11, 12 and sampled 13 itself: the prefetch guessed that bonus.
+    reply, obs = step(c, [["a", len(COPY), [10, 11, 12, 13]]])
+    assert obs.prefetch_hits == 1 and obs.accepted == [3]
+    assert reply["drafts"] == [[7, 8, 9]]
+    # Partly rejected: the prefetch does not answer, the drafter does.
+    c.prefetch()
+    reply, obs = step(c, [["a", len(COPY) + 4, [7, 5]]])
+    assert obs.prefetch_misses == 1 and obs.accepted == [1]
+
+
+def test_without_prefetch_nothing_is_prefetched():
+    c = core(prefetch=False)
+    step(c, [["a", 0, COPY]])
+    assert c.prefetch() == 0
+    _, obs = step(c, [["a", len(COPY), [10, 11, 12, 13]]])
+    assert obs.prefetch_hits == 0 and obs.accepted == [3]
+
+
+def test_release_and_switching_drafters_drop_sessions():
+    c = DraftCore({"ngram": lambda: NgramDrafter(2, 3), "other": lambda: NgramDrafter(1, 1)},
+                  "ngram")
+    step(c, [["a", 0, COPY], ["b", 0, COPY]])
+    step(c, [], release=["a"])
+    assert c.summary()["num_sessions"] == 1
+    c.set_drafter("other")
+    assert c.summary()["num_sessions"] == 0 and c.summary()["drafter"] == "other"
+    with pytest.raises(ValueError, match="unknown drafter 'nope'"):
+        c.set_drafter("nope")
+
+
+def test_frames_survive_partial_reads():
+    a, b = socket.socketpair()
+    with a, b:
+        send_frame(a, {"seq": 1, "rows": [["r", 0, list(range(5000))]]})
+        send_frame(a, {"seq": 2})
+        reader = FrameReader(b)
+        assert reader.read(1.0)["rows"][0][2][-1] == 4999
+        assert reader.read(1.0) == {"seq": 2}
+        assert reader.read(0.05) is None
+        a.close()
+        with pytest.raises(ConnectionError):
+            reader.read(1.0)
+
+
+class Endpoints:
+    """Stands in for the DraftService handle's `endpoint.remote().result(timeout_s)`: the one
+    Serve call of the draft path (discovery), answered from a real StepServer."""
+
+    def __init__(self, server: StepServer | None):
+        self.server = server
+        self.calls = 0
+        self.endpoint = self
+
+    def remote(self):
+        self.calls += 1
+        return self
+
+    def result(self, timeout_s=None):
+        if self.server is None:
+            raise TimeoutError("no DraftService replica")
+        return self.server.endpoint()
+
+
+class CoreHandler:
+    """A StepServer handler answering from a real DraftCore after `delay_s`."""
+
+    def __init__(self, delay_s: float = 0.0):
+        self.core = core()
+        self.delay_s = delay_s
+        self.received = 0
+
+    def __call__(self, message):
+        self.received += 1
+        time.sleep(self.delay_s)
+        return self.core.step(message)[0], self.core.prefetch
+
+
+@pytest.fixture
+def servers():
+    made = []
+
+    def make(*objs):
+        for obj in objs:
+            obj.start()
+            made.append(obj)
+        return objs
+
+    yield make
+    for obj in made:
+        obj.close()
+
+
+def message(rows):
+    return {"k": 3, "rows": rows, "release": [], "stats": {}}
+
+
+def connected_client(step_server, servers, deadline_s=2.0):
+    resolver = EndpointResolver(Endpoints(step_server), timeout_s=1.0)
+    servers(resolver)
+    stats = ProposerStats()
+    client = DraftClient(resolver.path, deadline_s=deadline_s, stats=stats)
+    deadline = time.monotonic() + 5
+    while client.sock is None:  # resolving and connecting take a few steps, none waits
+        client.call(message([]))
+        assert time.monotonic() < deadline, "client never connected"
+        time.sleep(0.01)
+    return client, stats, resolver
+
+
+def test_client_gets_drafts_over_the_direct_connection(servers):
+    handler = CoreHandler()
+    (step_server,) = servers(StepServer(handler, host="127.0.0.1"))
+    client, stats, _ = connected_client(step_server, servers)
+    reply = client.call(message([["a", 0, COPY]]))
+    assert reply["drafts"] == [[10, 11, 12]]
+    assert stats.calls >= 1 and len(stats.rtt_s) == stats.calls
+
+
+def test_a_slow_service_costs_one_deadline_then_steps_skip_until_it_answers(servers):
+    handler = CoreHandler(delay_s=0.5)
+    (step_server,) = servers(StepServer(handler, host="127.0.0.1"))
+    client, stats, _ = connected_client(step_server, servers, deadline_s=0.05)
+    assert client.call(message([["a", 0, COPY]])) is None
+    assert stats.missed == 1
+    # The first call is still pending: this step sends nothing and waits for nothing.
+    skipped = stats.skipped
+    assert client.call(message([["a", 0, COPY]])) is None
+    assert stats.skipped == skipped + 1 and handler.received == 1
+    time.sleep(0.6)  # the late reply arrives; it is dropped, the next call goes through
+    handler.delay_s = 0.0
+    reply = client.call(message([["a", 0, COPY]]))
+    assert reply is not None and reply["seq"] == client.seq and handler.received == 2
+
+
+def test_a_connection_without_the_token_is_refused(servers):
+    handler = CoreHandler()
+    (step_server,) = servers(StepServer(handler, host="127.0.0.1"))
+    host, port = step_server.endpoint()["endpoint"].split(":")
+    with socket.create_connection((host, int(port)), timeout=2) as sock:
+        send_frame(sock, {"token": "guess"})
+        send_frame(sock, {"seq": 1, **message([["a", 0, COPY]])})
+        with pytest.raises(ConnectionError):  # closed without an answer
+            FrameReader(sock).read(2.0)
+    assert handler.received == 0
+
+
+def test_a_replaced_service_is_found_again_through_the_resolver(servers, monkeypatch):
+    monkeypatch.setattr("moonserve.pipeline.engine.proposer.RECONNECT_INTERVAL_S", 0.05)
+    first = StepServer(CoreHandler(), host="127.0.0.1")
+    servers(first)
+    client, _, resolver = connected_client(first, servers)
+    assert client.call(message([["a", 0, COPY]]))["drafts"] == [[10, 11, 12]]
+    first.close()  # the replica dies: Serve starts another one elsewhere
+    replacement = StepServer(CoreHandler(), host="127.0.0.1")
+    servers(replacement)
+    resolver.handle.server = replacement
+    deadline = time.monotonic() + 5
+    while (reply := client.call(message([["a", 0, COPY]]))) is None:
+        assert time.monotonic() < deadline, "the client did not find the new replica"
+        time.sleep(0.02)
+    assert reply["drafts"] == [[10, 11, 12]]  # a new session, from position 0
+    assert resolver.handle.calls == 2  # asked Serve again only because the old address was stale
+
+
+def test_no_service_means_no_drafts_and_no_waiting(servers, monkeypatch):
+    monkeypatch.setattr("moonserve.pipeline.engine.proposer.RECONNECT_INTERVAL_S", 0.05)
+    resolver = EndpointResolver(Endpoints(None), timeout_s=0.1)
+    servers(resolver)
+    stats = ProposerStats()
+    client = DraftClient(resolver.path, deadline_s=0.05, stats=stats)
+    for _ in range(20):
+        assert client.call(message([["a", 0, COPY]])) is None
+        time.sleep(0.02)
+    assert stats.calls == 0 and stats.missed == 0 and stats.skipped == 20
+    assert resolver.handle.calls >= 2  # it keeps asking, a little later each time
+
+
+def test_the_service_can_raise_the_deadline_even_with_late_replies(servers):
+    handler = CoreHandler(delay_s=0.2)
+    handler.core.deadline_ms = 1000.0
+    (step_server,) = servers(StepServer(handler, host="127.0.0.1"))
+    client, _, _ = connected_client(step_server, servers, deadline_s=0.05)
+    assert client.call(message([["a", 0, COPY]])) is None  # missed: 200 ms > 50 ms
+    time.sleep(0.3)
+    client.call(message([["a", 0, COPY]]))  # reads the late reply, adopts its deadline
+    assert client.deadline_s == 1.0
+    assert client.call(message([["a", 0, COPY]]))["drafts"] == [[10, 11, 12]]
