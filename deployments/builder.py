@@ -84,7 +84,7 @@ def resolve_encoder_path(config: VisionEncoderConfig, lm_path: str) -> str:
     """`embedded` -> the seeded random MoonViT projecting to the LM's hidden size."""
     if config.model != EMBEDDED_MODEL:
         return config.model
-    from moonserve.pipeline.prepare.language_model import prepare_vision_encoder
+    from moonserve.pipeline.prepare.vision_encoder import prepare_vision_encoder
 
     return str(prepare_vision_encoder(lm_path))
 
@@ -110,7 +110,7 @@ def resolve_draft_model_path(config: DraftConfig, lm_path: str) -> str:
     them whichever drafter starts active, so `set_drafter` can switch at run time."""
     if config.model != EMBEDDED_MODEL:
         return config.model
-    from moonserve.pipeline.prepare.language_model import prepare_drafter
+    from moonserve.pipeline.prepare.drafter import prepare_drafter
 
     return str(prepare_drafter(lm_path))
 

@@ -39,7 +39,8 @@ def drafter_factories(config: DraftConfig, draft_model_path: str, target_path: s
     def dspark():
         import torch
 
-        from moonserve.pipeline.speculative.dspark import DSparkDrafter, target_shared_tensors
+        from moonserve.pipeline.models.dspark import target_shared_tensors
+        from moonserve.pipeline.speculative.dspark import DSparkDrafter
 
         device = "cuda" if config.num_gpus and torch.cuda.is_available() else "cpu"
         return DSparkDrafter.from_pretrained(draft_model_path, device=device,

@@ -22,7 +22,9 @@ from moonserve.pipeline.config import DEFAULT_CONFIG
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from moonserve.pipeline.prepare.language_model import prepare_drafter, prepare_language_model, prepare_vision_encoder
+    from moonserve.pipeline.prepare.drafter import prepare_drafter
+    from moonserve.pipeline.prepare.language_model import prepare_language_model
+    from moonserve.pipeline.prepare.vision_encoder import prepare_vision_encoder
 
     lm_path = prepare_language_model(progress=not args.quiet)
     print(lm_path)

@@ -68,7 +68,8 @@ def metrics_url() -> str | None:
 def prepare_embedded(apps: list[AppSpec]) -> None:
     """Build the embedded checkpoint before Ray starts, so its progress bar is readable."""
     if any(a.config.language_model.engine.model == EMBEDDED_MODEL for a in apps):
-        from moonserve.pipeline.prepare.language_model import prepare_language_model, prepare_vision_encoder
+        from moonserve.pipeline.prepare.language_model import prepare_language_model
+        from moonserve.pipeline.prepare.vision_encoder import prepare_vision_encoder
 
         lm_path = prepare_language_model()
         if any(a.config.vision and a.config.vision.encoder.model == EMBEDDED_MODEL for a in apps):

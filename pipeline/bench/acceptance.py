@@ -1,5 +1,5 @@
 """Offline acceptance of a drafter against known target continuations, and the measurements
-behind the embedded DSpark drafter's choices (`pipeline/speculative/dspark.py` has the tables).
+behind the embedded DSpark drafter's choices (docs/speculative.md has the tables).
 
 `offline_acceptance(drafter, sequences, k, start)` walks each target-greedy sequence, proposes k
 drafts from every prefix past `start` and counts the leading drafts equal to the target's tokens:
@@ -25,14 +25,14 @@ from pathlib import Path
 import torch
 
 from moonserve.pipeline.speculative.drafter import Drafter
-from moonserve.pipeline.speculative.dspark import (
-    DSparkDrafter,
+from moonserve.pipeline.models.dspark import target_shared_tensors
+from moonserve.pipeline.prepare.drafter import (
     build_embedded_dspark,
     derive_markov_head,
     dspark_from_llama,
     quantize_drafter_checkpoint,
-    target_shared_tensors,
 )
+from moonserve.pipeline.speculative.dspark import DSparkDrafter
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from moonserve.pipeline.prepare.language_model import moonserve_home
+from moonserve.pipeline.prepare.store import moonserve_home
 from moonserve.pipeline.prepare.vision_encoder import load_embedded_encoder, write_embedded_encoder
 from moonserve.pipeline.models.moonvit import MoonViT
 

@@ -7,8 +7,8 @@ so its embeddings carry no meaning; it exists so that the image path runs end to
 so that the production loader (moonserve.pipeline.models.moonvit.load_moonvit) is what loads it.
 
 Written under ``$MOONSERVE_HOME/models/moonvit-embedded/`` as ``model.safetensors`` + ``config.json``
-+ a SHA-256 manifest, built in a temporary directory and renamed into place; a directory whose
-manifest matches (files, seed, config) is reused.
++ a SHA-256 manifest (a `store.Artifact`); a directory whose manifest matches (files, seed, config)
+is reused.
 
 Example:
     >>> import tempfile, torch
@@ -23,19 +23,15 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
-from moonserve.pipeline.prepare.language_model import MANIFEST, file_digest, moonserve_home, replace_dir
 from moonserve.pipeline.models.moonvit import MoonViT, MoonViTConfig, expected_tensor_shapes, load_moonvit
+from moonserve.pipeline.prepare.store import CONFIG_FILE, WEIGHTS_FILE, Artifact
 
-EMBEDDED_ENCODER_NAME = "moonvit-embedded"
-WEIGHTS_FILE = "model.safetensors"
-# Bumped whenever the architecture or the initialization changes, so older builds are rebuilt.
-FORMAT_VERSION = 1
+# Bump the version whenever the architecture or the initialization changes.
+EMBEDDED_ENCODER = Artifact("moonvit-embedded", format_version=1)
 
 
 def embedded_encoder_config(text_hidden_size: int = 576) -> MoonViTConfig:
@@ -48,7 +44,7 @@ def embedded_encoder_config(text_hidden_size: int = 576) -> MoonViTConfig:
 
 
 def embedded_encoder_dir(home: Path | None = None) -> Path:
-    return (home or moonserve_home()) / "models" / EMBEDDED_ENCODER_NAME
+    return EMBEDDED_ENCODER.path(home)
 
 
 def random_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
@@ -68,68 +64,40 @@ def random_state_dict(cfg: MoonViTConfig, seed: int = 0) -> dict[str, torch.Tens
     return {name: random_tensor(name, shapes[name], generator) for name in sorted(shapes)}
 
 
-def write_manifest(out_dir: Path, cfg: MoonViTConfig, seed: int) -> None:
-    files = sorted(p for p in out_dir.iterdir() if p.is_file() and p.name != MANIFEST)
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "seed": seed,
-        "config": cfg.to_dict(),
-        "files": {p.name: {"bytes": p.stat().st_size, "sha256": file_digest(p)} for p in files},
-    }
-    (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
-
-
-def verify_encoder_dir(path: Path, cfg: MoonViTConfig | None = None, seed: int | None = None) -> bool:
-    """True when path holds a complete build matching its manifest (and cfg / seed, if given)."""
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return False
-    if manifest.get("format_version") != FORMAT_VERSION or seed is not None and manifest.get("seed") != seed:
-        return False
-    if cfg is not None and MoonViTConfig.from_dict(manifest.get("config", {})) != cfg:
-        return False
-    files = manifest.get("files", {})
-    return WEIGHTS_FILE in files and all(
-        (path / name).is_file() and (path / name).stat().st_size == entry["bytes"]
-        and file_digest(path / name) == entry["sha256"]
-        for name, entry in files.items())
-
-
 def build_encoder_dir(out_dir: Path, cfg: MoonViTConfig, seed: int) -> None:
     from safetensors.torch import save_file
 
     save_file(random_state_dict(cfg, seed), str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
-    for file in out_dir.iterdir():
-        file.chmod(0o644)  # safetensors writes 0600; the checkpoint is meant to be shared
-    write_manifest(out_dir, cfg, seed)
+    (out_dir / CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
 
 
-def write_embedded_encoder(home: Path, text_hidden_size: int = 576, seed: int = 0) -> Path:
+def write_embedded_encoder(home: Path | None = None, text_hidden_size: int = 576, seed: int = 0) -> Path:
     """Build (or verify and reuse) the embedded encoder under home/models/moonvit-embedded; its path.
 
     About 4 MB (1.6 MB of it the 64x64 position table), under a second to build. An interrupted
     build never leaves a half-written directory in place; a corrupted one, or one of another seed or
     config, is rebuilt.
     """
-    target, cfg = embedded_encoder_dir(home), embedded_encoder_config(text_hidden_size)
-    if verify_encoder_dir(target, cfg, seed):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_ENCODER_NAME}-", dir=target.parent))
-    try:
-        build_encoder_dir(staging, cfg, seed)
-        staging.chmod(0o755)  # mkdtemp makes it 0700; the checkpoint is meant to be shared
-        replace_dir(staging, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    cfg = embedded_encoder_config(text_hidden_size)
+    return EMBEDDED_ENCODER.ensure(home, lambda staging: build_encoder_dir(staging, cfg, seed),
+                                   seed=seed, config=cfg.to_dict())
+
+
+def prepare_vision_encoder(lm_path: Path | str | None = None, home: Path | None = None) -> Path:
+    """The embedded MoonViT (seeded random weights) projecting to the LM's hidden size; idempotent.
+
+    Its weights are random: image requests take the real path, but the embedded model cannot see.
+    """
+    from moonserve.pipeline.prepare.language_model import embedded_lm_dir
+
+    lm_config = json.loads((Path(lm_path or embedded_lm_dir(home)) / CONFIG_FILE).read_text())
+    hidden = lm_config.get("text_config", lm_config)["hidden_size"]
+    return write_embedded_encoder(home, text_hidden_size=hidden)
 
 
 def load_embedded_encoder(path: Path, attention_backend: str = "auto") -> MoonViT:
     """The float32 MoonViT at path (as written by write_embedded_encoder), after checking its manifest."""
-    if not verify_encoder_dir(Path(path)):
+    if not EMBEDDED_ENCODER.verify(Path(path)):
         raise FileNotFoundError(f"{path} is not a complete embedded vision encoder (missing, or its files do not "
                                 "match its manifest); run `moonserve prepare` to rebuild it")
     return load_moonvit(path, attention_backend=attention_backend)

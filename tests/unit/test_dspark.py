@@ -28,19 +28,16 @@ from moonserve.pipeline.bench.acceptance import (
     summarize_acceptance,
 )
 from moonserve.pipeline.speculative.drafter import Drafter, DrafterState
-from moonserve.pipeline.speculative.dspark import (
-    CONFIG_FILE,
+from moonserve.pipeline.models.dspark import DSparkConfig, DSparkModel, target_shared_tensors
+from moonserve.pipeline.models.weights import CONFIG_FILE, WEIGHTS_FILE
+from moonserve.pipeline.prepare.drafter import (
     EMBEDDED_TARGET_LAYER_IDS,
-    WEIGHTS_FILE,
-    DSparkConfig,
-    DSparkDrafter,
-    DSparkModel,
     build_embedded_dspark,
     dspark_from_llama,
     mxfp4_weight_names,
     quantize_drafter_checkpoint,
-    target_shared_tensors,
 )
+from moonserve.pipeline.speculative.dspark import DSparkDrafter
 from moonserve.pipeline.speculative.ngram import NgramDrafter
 from moonserve.pipeline.speculative.sessions import DraftSessions
 
@@ -356,9 +353,13 @@ def test_docstring_examples():
     import doctest
 
     from moonserve.pipeline.bench import acceptance
+    from moonserve.pipeline.models import dspark as dspark_model
+    from moonserve.pipeline.prepare import store
     from moonserve.pipeline.speculative import dspark
 
+    assert doctest.testmod(dspark_model).failed == 0
     assert doctest.testmod(dspark).failed == 0
+    assert doctest.testmod(store).failed == 0
     assert doctest.testmod(acceptance).failed == 0
 
 

@@ -11,7 +11,10 @@ import sys
 import pytest
 
 from moonserve.pipeline.prepare import language_model as embedded
-from moonserve.pipeline.prepare.language_model import MANIFEST, prepare_language_model, verify_checkpoint
+from moonserve.pipeline.prepare.language_model import EMBEDDED_LM, prepare_language_model
+from moonserve.pipeline.prepare.store import MANIFEST
+
+verify_checkpoint = EMBEDDED_LM.verify
 
 
 @pytest.fixture(scope="module")
@@ -45,16 +48,15 @@ def test_prepare_reuses_a_verified_checkpoint(checkpoint):
 
 
 def test_cli_prepare_prints_the_paths(checkpoint):
-    from moonserve.pipeline.prepare.language_model import EMBEDDED_DRAFTER_NAME, moonserve_home, verify_checkpoint
-    from moonserve.pipeline.prepare.vision_encoder import embedded_encoder_dir, verify_encoder_dir
+    from moonserve.pipeline.prepare.drafter import EMBEDDED_DRAFTER
+    from moonserve.pipeline.prepare.vision_encoder import EMBEDDED_ENCODER
 
     out = subprocess.run([sys.executable, "-m", "moonserve.pipeline.app.cli", "prepare", "--quiet"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
-    encoder = embedded_encoder_dir()
-    drafter = moonserve_home() / "models" / EMBEDDED_DRAFTER_NAME
+    encoder, drafter = EMBEDDED_ENCODER.path(), EMBEDDED_DRAFTER.path()
     assert out.stdout.split() == [str(checkpoint), str(encoder), str(drafter)]
-    assert verify_encoder_dir(encoder) and verify_checkpoint(drafter)
+    assert EMBEDDED_ENCODER.verify(encoder) and EMBEDDED_DRAFTER.verify(drafter)
 
 
 def copy_checkpoint(checkpoint, tmp_path):
