@@ -26,7 +26,6 @@ from moonserve.pipeline.speculative.drafter import NoDrafter
 from moonserve.pipeline.speculative.endpoint import StepServer
 from moonserve.pipeline.speculative.ngram import NgramDrafter
 from moonserve.pipeline.speculative.service import DraftCore, StepObservation
-from moonserve.pipeline.speculative.sessions import SessionLimits
 
 logger = logging.getLogger("moonserve.draft")
 EVICT_INTERVAL_S = 5.0
@@ -88,11 +87,8 @@ class DraftService:
         # Drafting shares the node with the engine: nothing parallel inside one draft step.
         torch.set_num_threads(1)
         self.config = config
-        s = config.sessions
         self.core = DraftCore(drafter_factories(config, draft_model_path, target_path),
-                              config.drafter,
-                              SessionLimits(s.max_sessions, s.max_total_tokens, s.idle_timeout_s),
-                              prefetch=config.prefetch)
+                              config.drafter, config.sessions, prefetch=config.prefetch)
         self.lock = threading.Lock()  # the core is used by one thread at a time
         self.metrics = DraftMetrics()
         self.recent_rtt_s: deque[float] = deque(maxlen=4096)

@@ -22,6 +22,7 @@ import numpy as np
 
 from moonserve.pipeline.config import DraftConfig, EngineConfig, LanguageModelConfig
 from moonserve.pipeline.api.protocol import GenerateRequest, GenerationDelta, ModelInfo, SamplingSpec
+from moonserve.pipeline.models.weights import TOKEN_EMBEDDING_NAMES, find_tensor, read_tensors, tensor_files
 
 logger = logging.getLogger("moonserve.language_model")
 
@@ -105,29 +106,14 @@ def engine_args(engine: EngineConfig, model_path: str, draft: DraftConfig | None
     )
 
 
-TOKEN_EMBEDDING_NAMES = ("model.embed_tokens.weight", "language_model.model.embed_tokens.weight")
-
-
 def load_token_embeddings(model_path: str):
     """The checkpoint's input embedding table [vocab, hidden], read from its safetensors files."""
-    import json
-    from pathlib import Path
-
-    from safetensors import safe_open
-
-    root = Path(model_path)
-    index = root / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
-        else [p.name for p in root.glob("*.safetensors")]
-    for name in files:
-        with safe_open(root / name, framework="pt") as f:
-            # The target's own table, not a drafter's or MTP layer's (K3 names it under
-            # language_model.model.*).
-            key = next((k for k in TOKEN_EMBEDDING_NAMES if k in f.keys()), None)
-            if key is not None:
-                return f.get_tensor(key)
-    raise FileNotFoundError(f"{model_path}: none of {TOKEN_EMBEDDING_NAMES} found, needed for "
-                            "prompt embeddings")
+    files = tensor_files(model_path)
+    name = find_tensor(files, TOKEN_EMBEDDING_NAMES)
+    if name is None:
+        raise FileNotFoundError(f"{model_path}: none of {TOKEN_EMBEDDING_NAMES} found, needed for "
+                                "prompt embeddings")
+    return read_tensors(files, [name])[name]
 
 
 def sampling_params(spec: SamplingSpec):

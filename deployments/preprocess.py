@@ -23,26 +23,6 @@ from moonserve.pipeline.config import ImagePreprocessorConfig
 from moonserve.pipeline.api.protocol import ImageInfo
 
 
-def preprocess_config(config: ImagePreprocessorConfig):
-    """The typed config's layout and limit fields, which carry PreprocessConfig's names."""
-    from dataclasses import fields
-
-    from moonserve.pipeline.vision.preprocess import PreprocessConfig
-
-    return PreprocessConfig(**{f.name: getattr(config, f.name) for f in fields(PreprocessConfig)})
-
-
-def remote_policy(config: ImagePreprocessorConfig):
-    from moonserve.pipeline.vision.sources import RemotePolicy
-
-    remote = config.remote
-    return RemotePolicy(
-        allowed_hosts=tuple(remote.allowed_hosts), allowed_networks=tuple(remote.allowed_networks),
-        max_bytes=config.max_image_bytes, connect_timeout_s=remote.connect_timeout_s,
-        read_timeout_s=remote.read_timeout_s, total_timeout_s=remote.total_timeout_s,
-        max_redirects=remote.max_redirects)
-
-
 def decode_and_patchify(data: bytes, cfg):
     """bytes -> (pixel_values float32 ndarray [num_patches, 3, 14, 14], PreprocessedImage)."""
     from moonserve.pipeline.vision.preprocess import decode_image, preprocess
@@ -53,8 +33,8 @@ def decode_and_patchify(data: bytes, cfg):
 
 class ImagePreprocessor:
     def __init__(self, config: ImagePreprocessorConfig):
-        self.cfg = preprocess_config(config)
-        self.policy = remote_policy(config)
+        self.cfg = config.preprocess_config()
+        self.policy = config.remote
         self.session = None
         self.process_batch.set_max_batch_size(config.max_batch_size)
         self.process_batch.set_batch_wait_timeout_s(config.batch_wait_timeout_s)
@@ -85,7 +65,7 @@ class ImagePreprocessor:
 
         if url.startswith("data:"):
             return parse_data_url(url, self.cfg.max_image_bytes)
-        return await fetch_remote(url, self.policy, await self.http())
+        return await fetch_remote(url, self.policy, await self.http(), self.cfg.max_image_bytes)
 
     async def http(self):
         import aiohttp

@@ -1,9 +1,11 @@
 """Router deployment: the HTTP ingress with the OpenAI API.
 
-It validates and tokenizes each request, checks it against the model's context, admits it through
-its lane (`moonserve.pipeline.api.lanes`), forwards it to the LanguageModel deployment with the lane's priority
-and streams the deltas back as SSE. Every rejection is an OpenAI-style error
-(`moonserve.pipeline.api.errors.APIError`); TTFT, inter-token latency and lane counts go to Ray metrics.
+It validates and tokenizes each request, checks it against the model's context, starts its images
+(`moonserve.pipeline.router.fan_in`), admits it through its lane (`moonserve.pipeline.api.lanes`),
+forwards it to the LanguageModel deployment with the lane's priority and streams the deltas back
+as SSE. Every rejection is an OpenAI-style error (`moonserve.pipeline.api.errors.APIError`; failures
+of the other deployments are mapped in `moonserve.pipeline.router.failures`); TTFT, inter-token
+latency and lane counts go to Ray metrics.
 
 Example (without Serve, with any object that has the LanguageModel's methods):
     >>> router = Router(RouterConfig(), lm_handle, model_path="/path/to/ckpt")
@@ -13,35 +15,33 @@ Example (without Serve, with any object that has the LanguageModel's methods):
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 import uuid
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moonserve.pipeline.api.auth import ApiKeys
-from moonserve.pipeline.config import RouterConfig, VisionConfig
-from moonserve.pipeline.api.errors import APIError, bad_request, from_validation_error
+from moonserve.pipeline.api.body import parse_body, read_body
+from moonserve.pipeline.api.errors import APIError, bad_request
 from moonserve.pipeline.api.lanes import Lanes, Slot
 from moonserve.pipeline.api.limits import check_chat_limits, check_completion_limits
-from moonserve.pipeline.metrics import RequestTrace, RouterMetrics
 from moonserve.pipeline.api.prompt import PromptBuilder, resolve_max_tokens
 from moonserve.pipeline.api.protocol import (
     ChatCompletionRequest,
-    CompletionRequest,
     Completion,
+    CompletionRequest,
     GenerateRequest,
-    ImageInfo,
     ModelInfo,
     sampling_spec,
 )
 from moonserve.pipeline.api.streaming import ResponseFormat, StreamEncoder, sse
-
-logger = logging.getLogger("moonserve.router")
+from moonserve.pipeline.config import RouterConfig, VisionConfig
+from moonserve.pipeline.metrics import RequestTrace, RouterMetrics
+from moonserve.pipeline.router.failures import lm_failure
+from moonserve.pipeline.router.fan_in import EncodingImages, ImageFanIn
 
 # Prompts longer than this are tokenized off the event loop, so a long-context request does not
 # stall the streams of everyone else on this replica.
@@ -120,7 +120,7 @@ class Router:
         they run while the prompt is tokenized and the request waits for its lane)."""
         parts = body.image_parts()
         if not parts:
-            return EncodingImages([], [])
+            return EncodingImages.none()
         if self.images is None:
             i, j, _ = parts[0]
             raise bad_request(f"messages[{i}].content[{j}]: this server has no vision "
@@ -266,7 +266,7 @@ class Job:
     info: ModelInfo
     prompt_param: str  # the field a context error names: "messages" or "prompt"
     chat: bool
-    images: EncodingImages = field(default_factory=lambda: EncodingImages([], []))
+    images: EncodingImages = field(default_factory=EncodingImages.none)
     image_embeds: list = field(default_factory=list)  # ObjectRefs, once encoded
 
 
@@ -287,125 +287,6 @@ class SlotStreamingResponse(StreamingResponse):
         finally:
             self.slot.release()
             self.trace.finish(ok=ok)
-
-
-class ImageFanIn:
-    """The router's side of the image deployments: preprocess, then encode, all concurrently."""
-
-    def __init__(self, placeholder: str, preprocessor, encoder):
-        self.placeholder = placeholder
-        self.preprocessor = preprocessor
-        self.encoder = encoder
-
-    async def start(self, parts: list[tuple[int, int, str]]) -> EncodingImages:
-        infos = await asyncio.gather(*(self.preprocess(i, j, url) for i, j, url in parts))
-        return EncodingImages(list(infos), [self.encoder.encode.remote(info) for info in infos])
-
-    async def preprocess(self, i: int, j: int, url: str) -> ImageInfo:
-        try:
-            return await self.preprocessor.preprocess.remote(url)
-        except Exception as exc:
-            raise image_failure(exc, f"messages[{i}].content[{j}]", "image preprocessor") from exc
-
-
-@dataclass
-class EncodingImages:
-    """A request's images: their layout (known) and their encodings (in flight)."""
-
-    infos: list[ImageInfo]
-    responses: list  # DeploymentResponse per image, from the VisionEncoder
-
-    def num_tokens(self) -> list[int]:
-        return [info.num_image_tokens for info in self.infos]
-
-    def release(self) -> None:
-        """Cancel encodings still running (a refused or finished request) and drop the refs,
-        so the object store can free pixels and embeddings while a long stream goes on."""
-        for response in self.responses:
-            response.cancel()
-        self.infos, self.responses = [], []
-
-    async def embeddings(self) -> list:
-        """ObjectRefs of the encoder outputs, once all exist (a failed encoding raises here)."""
-        refs = []
-        for k, response in enumerate(self.responses):
-            try:
-                ref = await response._to_object_ref()
-                await ref  # raises if the encoding failed (numpy: a zero-copy read)
-            except Exception as exc:
-                raise image_failure(exc, f"image {k}", "vision encoder") from exc
-            refs.append(ref)
-        return refs
-
-
-def retryable(exc: BaseException) -> bool:
-    """Failures of a replica or of Serve (not of the request): the client should retry."""
-    from ray.exceptions import (
-        ActorDiedError,
-        ActorUnavailableError,
-        ObjectLostError,
-        OwnerDiedError,
-        RayActorError,
-    )
-    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
-
-    return isinstance(exc, (RayActorError, ActorDiedError, ActorUnavailableError, OwnerDiedError,
-                            ObjectLostError, BackPressureError, DeploymentUnavailableError))
-
-
-def image_failure(exc: Exception, where: str, stage: str) -> APIError:
-    """A bad image is a 400 naming its message and part; a lost replica is a 503 to retry."""
-    from moonserve.pipeline.vision.errors import ImageError
-
-    cause = getattr(exc, "cause", exc)
-    if isinstance(cause, ImageError):
-        return APIError(400, f"{where}: {cause.reason}", param=where, code=cause.code)
-    logger.warning("%s failed for %s: %r", stage, where, exc)
-    if retryable(exc):
-        return APIError(503, f"the {stage} is unavailable; retry the request",
-                        type="service_unavailable", code="replica_unavailable",
-                        headers={"Retry-After": "2"})
-    return APIError(500, f"{where}: the {stage} failed ({type(cause).__name__})",
-                    type="internal_error", code="image_failed")
-
-
-def lm_failure(exc: Exception, request_id: str) -> APIError:
-    """Map a failure of the LM call to an API error (503 when the replica or engine is gone)."""
-    if isinstance(exc, APIError):
-        return exc
-    logger.warning("request %s failed in the language model: %r", request_id, exc)
-    if retryable(exc):
-        return APIError(503, "the language model replica is unavailable; retry the request",
-                        type="service_unavailable", code="replica_unavailable",
-                        headers={"Retry-After": "2"})
-    return APIError(500, f"generation failed ({type(exc).__name__}); request {request_id}",
-                    type="internal_error", code="generation_failed")
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 as soon as it exceeds `limit` bytes."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise body_too_large(limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise body_too_large(limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def body_too_large(limit: int) -> APIError:
-    return APIError(413, f"request body exceeds the limit of {limit} bytes",
-                    code="request_too_large")
-
-
-def parse_body(model, raw: bytes):
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as exc:
-        raise from_validation_error(exc) from None
 
 
 async def api_error_response(request: Request, exc: APIError) -> JSONResponse:

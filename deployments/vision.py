@@ -26,7 +26,7 @@ from moonserve.pipeline.api.protocol import ImageInfo
 def load_encoder(config: VisionEncoderConfig, model_path: str):
     import torch
 
-    from moonserve.pipeline.models.moonvit import load_moonvit
+    from moonserve.pipeline.models.moonvit_checkpoint import load_moonvit
 
     device = "cuda" if config.num_gpus and torch.cuda.is_available() else "cpu"
     return load_moonvit(model_path, dtype=getattr(torch, config.dtype), device=device,

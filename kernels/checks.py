@@ -42,7 +42,7 @@ def time_ms(fn: Callable[[], object], warmup: int = 3, iters: int = 20) -> float
 def gpu_check_main(package: str | None, run_cases: Callable[[], list[dict]]) -> int:
     """Run a kernel's GPU cases and print them as JSON: 0 all passed, 1 a case failed, 2 no GPU."""
     if not package:
-        print("run as `python -m kernels.<op>.gpu_check` from the repository root", file=sys.stderr)
+        print("run as `python -m moonserve.kernels.<op>.gpu_check`", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
         print(json.dumps({"error": "no CUDA/ROCm device; this check needs a GPU"}))

@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 from typing import Literal
 
@@ -25,6 +26,11 @@ from pydantic import (
     SecretStr,
     model_validator,
 )
+
+from moonserve.pipeline.speculative.sessions import SessionLimits
+from moonserve.pipeline.vision.preprocess_config import DEFAULT_CONFIG as PREPROCESS_DEFAULTS
+from moonserve.pipeline.vision.preprocess_config import PreprocessConfig
+from moonserve.pipeline.vision.remote_policy import RemotePolicy
 
 EMBEDDED_MODEL = "embedded"
 # The embedded default, next to the package in a source checkout.
@@ -278,40 +284,39 @@ class LanesConfig(StrictModel):
         return sum(lane.max_in_flight for lane in self.active().values())
 
 
-class RemoteImagesConfig(StrictModel):
-    """`http(s)` image URLs: off unless `allowed_hosts` names hosts (`*.example.com` for
-    subdomains). Resolved addresses in loopback, private, link-local, multicast and reserved ranges
-    are refused (also after each redirect) unless inside `allowed_networks` (CIDRs)."""
-
-    allowed_hosts: list[str] = Field(default_factory=list)
-    allowed_networks: list[str] = Field(default_factory=list)
-    connect_timeout_s: PositiveFloat = 5.0
-    read_timeout_s: PositiveFloat = 10.0
-    total_timeout_s: PositiveFloat = 30.0
-    max_redirects: int = Field(3, ge=0)
-
-
 class ImagePreprocessorConfig(StrictModel):
     """ImagePreprocessor deployment: fetch, decode, validate, NaViT resize, normalize, patchify.
 
-    Layout fields mirror the checkpoint's `preprocessor_config.json` (`media_proc_cfg`); the
-    defaults are the public Kimi-K2.5 values (pipeline/vision/preprocess.py).
+    The fields from `patch_size` to `background_rgb` are `PreprocessConfig`'s
+    (pipeline/vision/preprocess_config.py: meanings and defaults); the layout fields mirror the
+    checkpoint's `preprocessor_config.json` (`media_proc_cfg`). `remote` is a `RemotePolicy`
+    (pipeline/vision/remote_policy.py): `http(s)` image URLs are off unless `allowed_hosts` names
+    hosts.
     """
 
-    patch_size: PositiveInt = 14
-    merge_kernel: tuple[PositiveInt, PositiveInt] = (2, 2)
-    in_patch_limit: PositiveInt = 16384
-    patch_limit_on_one_side: PositiveInt = 512
-    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
-    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
-    max_image_bytes: PositiveInt = 20 * 1024 * 1024
-    max_image_pixels: PositiveInt = 16_000_000
-    background_rgb: tuple[int, int, int] = (255, 255, 255)
-    remote: RemoteImagesConfig = RemoteImagesConfig()
+    patch_size: PositiveInt = PREPROCESS_DEFAULTS.patch_size
+    merge_kernel: tuple[PositiveInt, PositiveInt] = PREPROCESS_DEFAULTS.merge_kernel
+    in_patch_limit: PositiveInt = PREPROCESS_DEFAULTS.in_patch_limit
+    patch_limit_on_one_side: PositiveInt = PREPROCESS_DEFAULTS.patch_limit_on_one_side
+    image_mean: tuple[float, float, float] = PREPROCESS_DEFAULTS.image_mean
+    image_std: tuple[float, float, float] = PREPROCESS_DEFAULTS.image_std
+    max_image_bytes: PositiveInt = PREPROCESS_DEFAULTS.max_image_bytes
+    max_image_pixels: PositiveInt = PREPROCESS_DEFAULTS.max_image_pixels
+    background_rgb: tuple[int, int, int] = PREPROCESS_DEFAULTS.background_rgb
+    remote: RemotePolicy = RemotePolicy()
     # Images decoded together per replica (serve.batch); a batch runs in one worker thread.
     max_batch_size: PositiveInt = 8
     batch_wait_timeout_s: float = Field(0.002, ge=0)
     deployment: DeploymentOptions = DeploymentOptions(max_ongoing_requests=32)
+
+    @model_validator(mode="after")
+    def _preprocessing_is_valid(self) -> ImagePreprocessorConfig:
+        self.preprocess_config()  # its own checks (square merge kernel, std > 0, ...) at load
+        return self
+
+    def preprocess_config(self) -> PreprocessConfig:
+        """The fields named like `PreprocessConfig`'s, as the dataclass the replica runs with."""
+        return PreprocessConfig(**{f.name: getattr(self, f.name) for f in fields(PreprocessConfig)})
 
 
 class VisionEncoderConfig(StrictModel):
@@ -346,14 +351,6 @@ class VisionConfig(StrictModel):
     encoder: VisionEncoderConfig = VisionEncoderConfig()
 
 
-class DraftSessionsConfig(StrictModel):
-    """Bounds on the DraftService's per-request contexts (least recently used evicted first)."""
-
-    max_sessions: PositiveInt = 1024
-    max_total_tokens: PositiveInt = 4_000_000
-    idle_timeout_s: PositiveFloat = 300.0
-
-
 class DraftConfig(StrictModel):
     """Speculative decoding: where the draft tokens come from; vLLM verifies them losslessly.
 
@@ -379,7 +376,8 @@ class DraftConfig(StrictModel):
     prefetch: bool = True
     # The LM replica's timeout on asking Serve where the DraftService is; meanwhile no drafts.
     service_timeout_s: PositiveFloat = 2.0
-    sessions: DraftSessionsConfig = DraftSessionsConfig()
+    # Bounds on the per-request contexts (pipeline/speculative/sessions.py).
+    sessions: SessionLimits = SessionLimits()
     num_gpus: float = Field(0.0, ge=0)
     deployment: DeploymentOptions = DeploymentOptions(max_ongoing_requests=64)
 

@@ -1,138 +1,39 @@
-"""Shared fixtures: the real `moonserve serve` (Ray Serve + vLLM CPU engine) started once per run.
+"""What every test directory shares: paths, the model name, and the markers applied at collection.
 
-Tests marked `server` talk to it over real HTTP with the real `openai` client. The fixture's
-teardown sends SIGTERM like a user's Ctrl-C would and fails the run if `moonserve serve` does not
-exit cleanly or leaves any of its processes (Ray, replicas, vLLM engine cores) behind.
+- `server`: every test that uses the `server` fixture (tests/server/conftest.py), directly or
+  through other fixtures, needs the live app; `pytest -m "not server"` runs everything else.
+- `gpu`: skipped when there is no CUDA/ROCm device.
+- `destructive`: kills parts of the session server, so these run after everything else.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-import time
-from contextlib import contextmanager
 from pathlib import Path
 
-import openai
-import psutil
 import pytest
-import yaml
 
 from moonserve.pipeline.config import DEFAULT_CONFIG
-from moonserve.pipeline.app.launch import ServerProcess
 
 REPO = Path(__file__).resolve().parent.parent
 LOCAL_CONFIG = DEFAULT_CONFIG
-# Ports away from the defaults, so a developer's own `moonserve serve` does not collide.
-HTTP_PORT = int(os.environ.get("MOONSERVE_TEST_PORT", "8123"))
-DASHBOARD_PORT = HTTP_PORT + 150
-METRICS_PORT = HTTP_PORT + 160
-MODEL = "moonserve-embedded"
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "destructive: kills parts of the session server; runs last")
+MODEL = "moonserve-embedded"  # the served model name in LOCAL_CONFIG
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Tests that kill replicas of the session server run after everything else."""
+    for item in items:
+        if "server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.server)
+    skip_gpu_tests_without_a_device(items)
     items.sort(key=lambda item: item.get_closest_marker("destructive") is not None)
 
 
-class RunningServer:
-    def __init__(self, process: ServerProcess):
-        self.process = process
-        self.base_url = process.base_url
+def skip_gpu_tests_without_a_device(items) -> None:
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    import torch  # only when a gpu test was collected
 
-    def lm_handle(self, app_name: str = "moonserve"):
-        """A Ray Serve handle to the LanguageModel deployment (joins the server's Ray cluster)."""
-        import ray
-        from ray import serve
-
-        if not ray.is_initialized():
-            ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
-        return serve.get_deployment_handle("LanguageModel", app_name=app_name)
-
-    def lm_stats(self) -> dict:
-        return self.lm_handle().stats.remote().result()
-
-    @contextmanager
-    def router_app(self, name: str, **router_args):
-        """A second Router app at `/<name>` with `router` args overridden, bound to this server's
-        LanguageModel (no second engine). Yields its base URL."""
-        from ray import serve
-
-        from moonserve.deployments.builder import bind_router, resolve_model_path
-        from moonserve.pipeline.config import AppConfig
-
-        args = yaml.safe_load(LOCAL_CONFIG.read_text())["applications"][0]["args"]
-        args["router"].update(router_args)
-        config = AppConfig.model_validate(args)
-        lm_handle = self.lm_handle()
-        app = bind_router(config.router, lm_handle, resolve_model_path(config.language_model))
-        serve.run(app, name=name, route_prefix=f"/{name}")
-        try:
-            yield f"{self.base_url}/{name}"
-        finally:
-            serve.delete(name)
-
-
-@pytest.fixture(scope="session")
-def server(tmp_path_factory) -> RunningServer:
-    log = tmp_path_factory.mktemp("server") / "moonserve-serve.log"
-    process = ServerProcess(
-        [sys.executable, "-m", "moonserve.pipeline.app.cli", "serve", "--config", str(LOCAL_CONFIG),
-         "--port", str(HTTP_PORT), "--dashboard-port", str(DASHBOARD_PORT),
-         "--metrics-export-port", str(METRICS_PORT)],
-        f"http://127.0.0.1:{HTTP_PORT}/health", log_path=log, start_timeout_s=420,
-    )
-    process.start()
-    tree = process.descendants()
-    yield RunningServer(process)
-    disconnect_ray()
-    code = process.stop()
-    assert code == 0, f"moonserve serve exited with {code} after SIGTERM:\n{process.log_tail()}"
-    left = wait_gone(tree, timeout_s=30)
-    assert not left, f"processes left behind after SIGTERM: {left}"
-
-
-def disconnect_ray() -> None:
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-
-
-def wait_gone(processes: list[psutil.Process], timeout_s: float) -> list[str]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        alive = [p for p in processes if is_alive(p)]
-        if not alive or time.monotonic() > deadline:
-            return [f"{p.pid} {p.name()}" for p in alive]
-        time.sleep(0.5)
-
-
-def is_alive(process: psutil.Process) -> bool:
-    try:
-        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-@pytest.fixture(scope="session")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0,
-                         timeout=120)
-
-
-@pytest.fixture(scope="session")
-def reference_model():
-    """transformers' model and tokenizer on the same checkpoint, float32, for equivalence tests."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from moonserve.pipeline.prepare.language_model import prepare_language_model
-
-    path = prepare_language_model(progress=False)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(str(path))
+    if torch.cuda.is_available():
+        return
+    for item in gpu_items:
+        item.add_marker(pytest.mark.skip(reason="needs a CUDA/ROCm device"))

@@ -42,12 +42,18 @@ import torch
 from torch import nn
 
 from moonserve.kernels.mxfp4 import naive
-from moonserve.kernels.mxfp4.naive import BLOCK_SIZE
+from moonserve.kernels.mxfp4.format import (
+    BLOCK_SIZE,
+    BLOCKS_SUFFIX,
+    SCALES_SUFFIX,
+    dtypes_fit,
+    is_packed_part,
+    logical_shape,
+)
 
-BLOCKS_SUFFIX = "_blocks"
-SCALES_SUFFIX = "_scales"
-# E8M0 scales ship as uint8 (gpt-oss) or as safetensors F8_E8M0; both hold the biased exponent.
-SCALE_DTYPES = (torch.uint8, torch.float8_e8m0fnu)
+# The safetensors names of the torch dtypes MXFP4 halves ship in (the format's rule speaks those):
+# E8M0 scales come as uint8 (gpt-oss) or float8_e8m0fnu; both hold the biased exponent.
+SAFETENSORS_DTYPES = {torch.uint8: "U8", torch.float8_e8m0fnu: "F8_E8M0"}
 
 
 @functools.cache
@@ -140,15 +146,19 @@ def quantize_linear_weights(
 
 def packed_weight_shape(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[int, ...] | None:
     """The logical shape [..., G * 32] of blocks [..., G, 16] with scales [..., G], or None if they
-    do not fit together (dtypes are not looked at)."""
-    fits = blocks.dim() >= 2 and blocks.shape[-1] == BLOCK_SIZE // 2 and blocks.shape[:-1] == scales.shape
-    return (*blocks.shape[:-2], blocks.shape[-2] * BLOCK_SIZE) if fits else None
+    do not fit together (dtypes are not looked at: pair_dtypes_fit does)."""
+    return logical_shape(tuple(blocks.shape), tuple(scales.shape))
+
+
+def pair_dtypes_fit(blocks: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether blocks are uint8 and scales uint8 or float8_e8m0fnu (the format's dtype rule)."""
+    return dtypes_fit(*(SAFETENSORS_DTYPES.get(t.dtype, str(t.dtype)) for t in (blocks, scales)))
 
 
 def packed_weight_names(tensors: Mapping[str, torch.Tensor]) -> list[str]:
     """Logical names ``X`` of every ``X_blocks`` / ``X_scales`` tensor, in order of first appearance."""
     names = (name.removesuffix(BLOCKS_SUFFIX).removesuffix(SCALES_SUFFIX) for name in tensors
-             if name.endswith((BLOCKS_SUFFIX, SCALES_SUFFIX)))
+             if is_packed_part(name))
     return list(dict.fromkeys(names))
 
 
@@ -203,7 +213,7 @@ def check_pair(weight_name: str, tensors: Mapping[str, torch.Tensor]) -> tuple[t
         present, absent = (blocks_name, scales_name) if scales is None else (scales_name, blocks_name)
         raise ValueError(f"{present} {list(tensors[present].shape)} comes without {absent}: MXFP4 weights "
                          f"load as {BLOCKS_SUFFIX} + {SCALES_SUFFIX} pairs")
-    if blocks.dtype != torch.uint8 or scales.dtype not in SCALE_DTYPES:
+    if not pair_dtypes_fit(blocks, scales):
         raise ValueError(f"{blocks_name} / {scales_name} have dtypes {blocks.dtype} / {scales.dtype}; MXFP4 "
                          f"needs uint8 blocks and uint8 (or float8_e8m0fnu) scales")
     return blocks, scales.view(torch.uint8)

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import torch
 
-BLOCK_SIZE = 32
+from moonserve.kernels.mxfp4.format import BLOCK_SIZE
+
 E8M0_BIAS = 127
 E8M0_NAN = 255
 # E8M0 codes 0..254 encode 2**-127 .. 2**127.

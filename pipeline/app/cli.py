@@ -70,7 +70,9 @@ BENCHMARKS = {"overhead": bench_module("overhead"), "lanes": bench_module("lanes
 def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
-    from moonserve.pipeline.capacity.plan import HARDWARE, check_against_brief, format_plan, plan, plan_to_dict
+    from moonserve.pipeline.capacity.plan import plan
+    from moonserve.pipeline.capacity.registry import HARDWARE, check_against_brief
+    from moonserve.pipeline.capacity.report import format_plan, plan_to_dict
 
     try:
         apply_config_to_plan(args)
@@ -115,7 +117,8 @@ def apply_config_to_plan(args: argparse.Namespace) -> None:
 def plan_model(args: argparse.Namespace):
     """The nominal model, or with --checkpoint the measured one; None when the check fails."""
     from moonserve.pipeline.capacity.checkpoint import check_checkpoint, format_report
-    from moonserve.pipeline.capacity.plan import MODELS, with_checkpoint
+    from moonserve.pipeline.capacity.plan import with_checkpoint
+    from moonserve.pipeline.capacity.registry import MODELS
 
     if args.checkpoint is None:
         return MODELS[args.model]
@@ -180,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "one; the URL is printed at start)")
     serve.set_defaults(func=cmd_serve)
 
-    from moonserve.pipeline.capacity.plan import HARDWARE, MODELS
+    from moonserve.pipeline.capacity.registry import HARDWARE, MODELS
 
     plan = sub.add_parser("plan", help="capacity plan: weights, KV/state, concurrency, roofline")
     plan.add_argument("--model", choices=sorted(MODELS), default="kimi-k3.1-pro")

@@ -74,12 +74,21 @@ async def run_load(url: str, bodies: list[dict], concurrency: int) -> tuple[list
 
 
 def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+    """The `q` quantile (a whole percent: 0.5, 0.99) with linear interpolation between the
+    nearest ranks, as numpy's default; nan for no values.
+
+    Example:
+        >>> percentile([1.0, 2.0, 3.0, 4.0], 0.5), percentile([1.0, 2.0, 3.0, 4.0], 0.99)
+        (2.5, 3.97)
+    """
+    percent = round(q * 100)
+    if not 0 <= percent <= 100 or abs(q * 100 - percent) > 1e-9:
+        raise ValueError(f"percentile q={q} is not a whole percent in [0, 1]")
+    if len(values) < 2:  # statistics.quantiles needs two points (Python 3.11)
+        return float(values[0]) if values else float("nan")
+    # "inclusive": the data's min and max are the 0th and 100th percentiles.
+    cuts = [min(values), *statistics.quantiles(values, n=100, method="inclusive"), max(values)]
+    return cuts[percent]
 
 
 def summarize(results: list[RequestResult], wall_s: float) -> dict:

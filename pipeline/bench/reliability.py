@@ -3,7 +3,7 @@
 Against one `moonserve serve`:
 0. bad inputs: the broken/odd image corpus and malformed bodies (pipeline/bench/corpus.py);
    every answer must be a 4xx or a 200, never a 5xx (the test suite also fuzzes ~2,300 bodies
-   with hypothesis, tests/test_fuzz.py);
+   with hypothesis, tests/server/test_fuzz.py);
 1. capacity: closed-loop chat requests at `--concurrency` for `--capacity-s` -> requests/s;
 2. overload: open-loop arrivals at `--factor` x that rate for `--burst-s`; every request must
    complete (200, all tokens) or be refused fast (429/503 with Retry-After); anything else, or

@@ -1,7 +1,8 @@
 """`moonserve check-checkpoint`: preflight a safetensors checkpoint from its headers alone.
 
-Reads each file's 8-byte little-endian header length and its JSON header, never tensor data, so
-a 1.5 TB checkpoint takes seconds. Pairs quantized weights with their scales, checks every tensor
+Reads each file's header through safetensors' safe_open (`moonserve.pipeline.models.weights`:
+dtypes and shapes, never tensor data), so a 1.5 TB checkpoint takes seconds. Pairs quantized
+weights with their scales (the MXFP4 rule is `moonserve.kernels.mxfp4.format`'s), checks every tensor
 vLLM's Kimi K3 loader expects for the checkpoint's config.json (`pipeline/capacity/kimi_k3_layout.py` says
 where each name, shape and TP rule comes from), and sums parameters and bytes by component,
 storage format and per tensor-parallel rank. `moonserve plan --checkpoint` plans with these measured bytes.
@@ -25,12 +26,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import struct
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from moonserve.kernels.mxfp4.format import (
+    BLOCK_BYTES,
+    BLOCKS_SUFFIX,
+    SCALES_DTYPES,
+    SCALES_SUFFIX,
+    dtypes_fit,
+    packed_layout,
+)
 from moonserve.pipeline.capacity.kimi_k3_layout import (
     SUPPORTED_MODEL_TYPES,
     ConfigError,
@@ -41,66 +48,29 @@ from moonserve.pipeline.capacity.kimi_k3_layout import (
     is_mtp_name,
     normalize_name,
 )
+from moonserve.pipeline.models.weights import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    CheckpointFiles,
+    HeaderError,
+    Problem,
+    TensorHeader,
+    locate_files,
+    read_safetensors_header,
+)
 
-INDEX_NAME = "model.safetensors.index.json"
-CONFIG_NAME = "config.json"
-MAX_HEADER_BYTES = 100_000_000  # safetensors refuses larger headers
-MXFP4_BLOCK_BYTES = 16  # 32 E2M1 codes, two per byte
-MXFP4_BLOCK_SIZE = 32
-DTYPE_BITS = {
-    "BOOL": 8, "U8": 8, "I8": 8, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8,
-    "F8_E8M0": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
-    "I64": 64, "U64": 64, "F64": 64, "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
-}
 FLOAT_FORMATS = {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F64": "fp64"}
 SCALED_WEIGHT_FORMATS = {"F8_E4M3": "fp8", "F8_E5M2": "fp8", "F8_E4M3FNUZ": "fp8",
                          "F8_E5M2FNUZ": "fp8", "I8": "int8"}
-E8M0_DTYPES = ("U8", "F8_E8M0")
 # Suffix of a values or scales tensor -> suffix of the logical weight's name.
 LOGICAL_SUFFIXES = ((".weight_packed", ".weight"), (".weight_scale_inv", ".weight"),
-                    (".weight_scale", ".weight"), (".input_scale", ".weight"), ("_blocks", ""),
-                    ("_scales", ""))
-SCALE_SUFFIXES = ("_scales", ".weight_scale", ".weight_scale_inv", ".input_scale")
+                    (".weight_scale", ".weight"), (".input_scale", ".weight"), (BLOCKS_SUFFIX, ""),
+                    (SCALES_SUFFIX, ""))
+SCALE_SUFFIXES = (SCALES_SUFFIX, ".weight_scale", ".weight_scale_inv", ".input_scale")
 COMPONENT_ORDER = ("embed_tokens", "lm_head", "routed_experts", "shared_experts", "latent_moe",
                    "moe_router", "dense_mlp", "kda_attention", "mla_attention", "norms", "vision",
                    "mtp", "unexpected", "unclassified")
 MAX_SHOWN_PER_KIND = 20
-
-
-class HeaderError(Exception):
-    """One safetensors file cannot be read; `kind` is a Problem kind, the message names the file."""
-
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind
-
-
-@dataclass(frozen=True)
-class Problem:
-    """Something that would stop vLLM loading the checkpoint, or make it load the wrong thing.
-
-    kind: missing_index, bad_index, missing_shard, no_tensors, bad_header, truncated,
-    index_mismatch, duplicate_tensor, unpaired_blocks, unpaired_scales, missing_scale, bad_scales,
-    bad_config, bad_tp, missing_tensor, bad_shape, bad_dtype.
-    """
-
-    kind: str
-    message: str
-
-
-@dataclass(frozen=True, slots=True)
-class TensorHeader:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    file: str  # file name inside the checkpoint directory
-    begin: int  # data_offsets, relative to the end of the header
-    end: int
-    numel: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.begin
 
 
 @dataclass(frozen=True)
@@ -126,14 +96,6 @@ class StoredWeight:
         # A single per-tensor scale is replicated; block scales shard with their values.
         return sum(t.nbytes * (1.0 if i and t.numel == 1 else rank_fraction)
                    for i, t in enumerate(self.tensors))
-
-
-@dataclass(frozen=True)
-class CheckpointFiles:
-    root: Path  # the directory holding config.json and the index
-    shards: tuple[Path, ...]  # the files to read
-    weight_map: dict[str, str] | None  # tensor name -> shard file name, from the index
-    unindexed: tuple[str, ...]  # *.safetensors files the index does not name (vLLM skips them)
 
 
 @dataclass(frozen=True)
@@ -176,6 +138,9 @@ class CheckpointReport:
     num_bytes: int
     bytes_per_rank: float | None  # what one TP rank loads; MTP layers excluded
     model: ModelFacts | None  # from config.json, for the planner
+    # Kinds: those of the files (missing_index, bad_index, missing_shard, no_tensors, bad_header,
+    # truncated), then index_mismatch, duplicate_tensor, unpaired_blocks, unpaired_scales,
+    # missing_scale, bad_scales, bad_config, bad_tp, missing_tensor, bad_shape, bad_dtype.
     problems: tuple[Problem, ...]
     warnings: tuple[str, ...]
     notes: tuple[str, ...]
@@ -185,138 +150,10 @@ class CheckpointReport:
         return not self.problems
 
 
-# ---- one safetensors header --------------------------------------------------------------------
-
-
-def read_safetensors_header(path: Path) -> tuple[TensorHeader, ...]:
-    """Tensor headers of one file, from its first 8 + N bytes only; HeaderError names the file."""
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        header_len = _header_length(path, f.read(8), size)
-        raw = f.read(header_len)
-    entries = _parse_header(path, raw)
-    tensors = tuple(_tensor_header(path, path.name, name, entry)
-                    for name, entry in entries.items() if name != "__metadata__")
-    _check_within_file(path, tensors, size, header_len)
-    return tensors
-
-
-def _header_length(path: Path, prefix: bytes, size: int) -> int:
-    if len(prefix) < 8:
-        raise HeaderError("truncated", f"{path}: {size} bytes, too short for the 8-byte header "
-                          "length: truncated, or not a safetensors file")
-    header_len = struct.unpack("<Q", prefix)[0]
-    if header_len > size - 8:
-        raise HeaderError("bad_header", f"{path}: header length {header_len:,} bytes runs past "
-                          f"the end of the {size:,}-byte file: truncated or corrupt")
-    if header_len > MAX_HEADER_BYTES:
-        raise HeaderError("bad_header", f"{path}: header length {header_len:,} bytes exceeds "
-                          f"safetensors' {MAX_HEADER_BYTES:,}-byte limit: corrupt")
-    return header_len
-
-
-def _parse_header(path: Path, raw: bytes) -> dict:
-    try:
-        entries = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise HeaderError("bad_header", f"{path}: header is not valid JSON ({exc})") from None
-    if not isinstance(entries, dict):
-        raise HeaderError("bad_header",
-                          f"{path}: header is {type(entries).__name__}, not an object")
-    return entries
-
-
-def _tensor_header(path: Path, file_name: str, name: str, entry: object) -> TensorHeader:
-    # Runs once per tensor (~500k in a Kimi K3 checkpoint): C builtins only on the good path.
-    try:
-        dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-        bits, numel = DTYPE_BITS[dtype], math.prod(shape)
-        valid = (type(numel) is type(begin) is type(end) is int and 0 <= begin <= end
-                 and min(shape, default=0) >= 0)
-    except (TypeError, KeyError, ValueError):
-        valid = False
-    if not valid:
-        raise HeaderError("bad_header", _bad_entry_message(path, name, entry))
-    if end - begin != -(-numel * bits // 8):
-        raise HeaderError("bad_header", f"{path}: tensor {name}: data_offsets span "
-                          f"{end - begin:,} bytes, but {dtype} {shape} needs "
-                          f"{-(-numel * bits // 8):,}")
-    return TensorHeader(name, dtype, tuple(shape), file_name, begin, end, numel)
-
-
-def _bad_entry_message(path: Path, name: str, entry: object) -> str:
-    where = f"{path}: tensor {name}"
-    if not isinstance(entry, dict):
-        return f"{where}: entry is {entry!r}, not an object with dtype, shape, data_offsets"
-    if entry.get("dtype") not in DTYPE_BITS:
-        return f"{where}: unknown dtype {entry.get('dtype')!r}"
-    shape, offsets = entry.get("shape"), entry.get("data_offsets")
-    return f"{where}: bad shape {shape!r} or data_offsets {offsets!r}"
-
-
-def _check_within_file(path: Path, tensors: tuple[TensorHeader, ...], size: int,
-                       header_len: int) -> None:
-    data_size = size - 8 - header_len
-    beyond = [t for t in tensors if t.end > data_size]
-    if beyond:
-        last = max(beyond, key=lambda t: t.end)
-        raise HeaderError("truncated", f"{path}: {len(beyond)} tensor(s) end past the end of the "
-                          f"file, e.g. {last.name} ends at byte {8 + header_len + last.end:,} of a "
-                          f"{size:,}-byte file: the file is truncated")
-
-
-# ---- which files -------------------------------------------------------------------------------
-
-
-def locate_files(path: Path) -> tuple[CheckpointFiles, list[Problem]]:
-    """The files to read: one file, the index's shards, or a directory's single file."""
-    if path.is_file():
-        return CheckpointFiles(path.parent, (path,), None, ()), []
-    if (path / INDEX_NAME).is_file():
-        return _files_from_index(path)
-    return _files_without_index(path)
-
-
-def _files_from_index(root: Path) -> tuple[CheckpointFiles, list[Problem]]:
-    index = root / INDEX_NAME
-    try:
-        weight_map = json.loads(index.read_text()).get("weight_map")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
-        return CheckpointFiles(root, (), None, ()), [Problem("bad_index", f"{index}: not a JSON "
-                                                             f"object with a weight_map ({exc})")]
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        return CheckpointFiles(root, (), None, ()), [Problem(
-            "bad_index", f"{index}: weight_map must map tensor names to shard file names")]
-    shards = sorted(set(weight_map.values()))
-    problems = [_missing_shard(index, shard, weight_map) for shard in shards
-                if not (root / shard).is_file()]
-    unindexed = tuple(sorted(p.name for p in root.glob("*.safetensors") if p.name not in shards))
-    present = tuple(root / s for s in shards if (root / s).is_file())
-    return CheckpointFiles(root, present, weight_map, unindexed), problems
-
-
-def _missing_shard(index: Path, shard: str, weight_map: dict[str, str]) -> Problem:
-    names = [n for n, s in weight_map.items() if s == shard]
-    return Problem("missing_shard", f"{index.parent / shard}: missing; {INDEX_NAME} maps "
-                   f"{len(names):,} tensor(s) to it, e.g. {names[0]}")
-
-
-def _files_without_index(root: Path) -> tuple[CheckpointFiles, list[Problem]]:
-    files = tuple(sorted(root.glob("*.safetensors")))
-    if not files:
-        return CheckpointFiles(root, (), None, ()), [
-            Problem("no_tensors", f"{root}: no *.safetensors files")]
-    problems = [] if len(files) == 1 else [Problem(
-        "missing_index", f"{root}: {len(files)} .safetensors files but no {INDEX_NAME}; without "
-        "it nothing says which files make up the checkpoint (transformers refuses to load it, "
-        "vLLM would load every file, strays included). Restore the index from the release.")]
-    return CheckpointFiles(root, files, None, ()), problems
-
-
 # ---- all headers -------------------------------------------------------------------------------
 
 
-def read_tensors(files: CheckpointFiles) -> tuple[TensorInventory, list[Problem]]:
+def read_inventory(files: CheckpointFiles) -> tuple[TensorInventory, list[Problem]]:
     """Every tensor header of every readable shard, and what is wrong with the rest."""
     tensors: dict[str, TensorHeader] = {}
     problems: list[Problem] = []
@@ -359,9 +196,9 @@ def _index_mismatches(files: CheckpointFiles, tensors: dict[str, TensorHeader],
     for name, t in tensors.items():
         if name not in files.weight_map:
             unlisted[t.file].append(name)
-    return ([_mismatch(files.root / s, n, f"{INDEX_NAME} maps them here, the header lacks them")
+    return ([_mismatch(files.root / s, n, f"{INDEX_FILE} maps them here, the header lacks them")
              for s, n in absent.items()]
-            + [_mismatch(files.root / s, n, f"in the header, not in {INDEX_NAME}")
+            + [_mismatch(files.root / s, n, f"in the header, not in {INDEX_FILE}")
                for s, n in unlisted.items()])
 
 
@@ -408,9 +245,9 @@ Paired = tuple[StoredWeight | None, Problem | None, tuple[str, ...]]
 
 
 def _pair(t: TensorHeader, tensors: dict[str, TensorHeader]) -> Paired:
-    if t.name.endswith("_blocks"):
-        base = t.name[:-len("_blocks")]
-        return _pair_mxfp4(t, tensors.get(base + "_scales"), base, allow_flat=False)
+    if t.name.endswith(BLOCKS_SUFFIX):
+        base = t.name.removesuffix(BLOCKS_SUFFIX)
+        return _pair_mxfp4(t, tensors.get(base + SCALES_SUFFIX), base, allow_flat=False)
     if t.name.endswith(".weight_packed"):
         base = t.name[:-len("_packed")]
         return _pair_mxfp4(t, tensors.get(base + "_scale"), base, allow_flat=True)
@@ -422,39 +259,24 @@ def _pair(t: TensorHeader, tensors: dict[str, TensorHeader]) -> Paired:
 def _pair_mxfp4(blocks: TensorHeader, scales: TensorHeader | None, name: str,
                 allow_flat: bool) -> Paired:
     if scales is None:
-        expected = name + ("_scale" if allow_flat else "_scales")
+        expected = name + ("_scale" if allow_flat else SCALES_SUFFIX)
         return None, Problem("unpaired_blocks", f"{blocks.name} ({blocks.file}): MXFP4 blocks "
                              f"without scales; expected {expected}"), (blocks.name,)
     consumed = (blocks.name, scales.name)
-    if blocks.dtype != "U8" or scales.dtype not in E8M0_DTYPES:
+    if not dtypes_fit(blocks.dtype, scales.dtype):
         return None, Problem("bad_dtype", f"{blocks.name} / {scales.name}: MXFP4 needs U8 blocks "
-                             f"and U8 or F8_E8M0 scales, got {blocks.dtype} and "
+                             f"and {' or '.join(SCALES_DTYPES)} scales, got {blocks.dtype} and "
                              f"{scales.dtype}"), consumed
-    layout = mxfp4_layout(blocks.shape, scales.shape, allow_flat)
+    layout = packed_layout(blocks.shape, scales.shape, allow_flat=allow_flat)
     if layout is None:
         problem = Problem("bad_scales", _bad_scales_message(blocks, scales, allow_flat))
         return None, problem, consumed
     return StoredWeight(name, "mxfp4", layout[0], layout[1], (blocks, scales)), None, consumed
 
 
-def mxfp4_layout(blocks: tuple[int, ...], scales: tuple[int, ...],
-                 allow_flat: bool) -> tuple[str, tuple[int, ...]] | None:
-    """("mxfp4-blocks" | "mxfp4-flat", logical shape) when blocks and scales agree, else None.
-
-    >>> mxfp4_layout((896, 4096, 224, 16), (896, 4096, 224), allow_flat=False)
-    ('mxfp4-blocks', (896, 4096, 7168))
-    >>> mxfp4_layout((4096, 3584), (4096, 224), allow_flat=True)
-    ('mxfp4-flat', (4096, 7168))
-    """
-    if len(blocks) >= 2 and blocks[-1] == MXFP4_BLOCK_BYTES and scales == blocks[:-1]:
-        return "mxfp4-blocks", blocks[:-2] + (blocks[-2] * MXFP4_BLOCK_SIZE,)
-    flat = (allow_flat and len(blocks) == len(scales) >= 1 and scales[:-1] == blocks[:-1]
-            and blocks[-1] == scales[-1] * MXFP4_BLOCK_BYTES)
-    return ("mxfp4-flat", blocks[:-1] + (blocks[-1] * 2,)) if flat else None
-
-
 def _bad_scales_message(blocks: TensorHeader, scales: TensorHeader, allow_flat: bool) -> str:
-    wanted = "[..., G] with blocks [..., G, 16]" + (" or [..., G * 16]" if allow_flat else "")
+    wanted = (f"[..., G] with blocks [..., G, {BLOCK_BYTES}]"
+              + (f" or [..., G * {BLOCK_BYTES}]" if allow_flat else ""))
     return (f"{scales.name} {list(scales.shape)} does not fit {blocks.name} "
             f"{list(blocks.shape)}: MXFP4 needs one scale per 16-byte block of 32 values, scales "
             f"{wanted}")
@@ -490,9 +312,9 @@ def _plain(t: TensorHeader) -> StoredWeight:
 
 def load_config(root: Path) -> tuple[KimiCheckpointConfig | None, list[Problem], list[str]]:
     """The Kimi config beside the checkpoint; (None, [], [note]) when there is none to check."""
-    path = root / CONFIG_NAME
+    path = root / CONFIG_FILE
     if not path.is_file():
-        note = (f"no {CONFIG_NAME} in {root}: expected tensors, shapes and TP shares not checked; "
+        note = (f"no {CONFIG_FILE} in {root}: expected tensors, shapes and TP shares not checked; "
                 "only headers and quantized pairs were")
         return None, [], [note]
     try:
@@ -615,7 +437,7 @@ def check_checkpoint(path: str | Path, tensor_parallel_size: int = 8) -> Checkpo
     if not root.exists():
         raise FileNotFoundError(f"{root}: no such file or directory")
     files, problems = locate_files(root)
-    inventory, read_problems = read_tensors(files)
+    inventory, read_problems = read_inventory(files)
     weights, pair_problems = pair_weights(inventory)
     cfg, config_problems, notes = load_config(files.root)
     placed, place_problems, warnings = place_weights(cfg, weights, tensor_parallel_size,
@@ -628,10 +450,10 @@ def check_checkpoint(path: str | Path, tensor_parallel_size: int = 8) -> Checkpo
 
 def _notes(cfg: KimiCheckpointConfig | None, files: CheckpointFiles,
            inventory: TensorInventory) -> list[str]:
-    notes = [f"{name}: not in {INDEX_NAME}; vLLM skips it" for name in files.unindexed]
+    notes = [f"{name}: not in {INDEX_FILE}; vLLM skips it" for name in files.unindexed]
     if cfg is not None and inventory.unavailable is None:
         notes.append("presence of expected tensors not checked: a file could not be read and no "
-                     f"{INDEX_NAME} says which tensors it holds")
+                     f"{INDEX_FILE} says which tensors it holds")
     if cfg is not None:
         notes.append(f"expected names, shapes and TP rules: vLLM 0.32's Kimi K3 loader "
                      f"(model_type {cfg.model_type}; see pipeline/capacity/kimi_k3_layout.py)")

@@ -134,7 +134,7 @@ class TextConfig:
 
 
 @dataclass(frozen=True)
-class VisionConfig:
+class VisionTowerConfig:
     """KimiK3VisionConfig fields the layout reads (defaults are KimiK3VisionConfig's)."""
 
     patch_size: int
@@ -157,7 +157,7 @@ class VisionConfig:
 class KimiCheckpointConfig:
     model_type: str
     text: TextConfig
-    vision: VisionConfig | None
+    vision: VisionTowerConfig | None
     text_prefix: str  # "language_model." for kimi_k3, "" for kimi_linear
     mxfp4_experts: bool  # quantization_config names MXFP4: routed experts must be stored so
 
@@ -227,10 +227,10 @@ def _kda_config(c: dict[str, Any] | None) -> KdaConfig | None:
                      f("short_conv_kernel_size"), bool(f("use_full_rank_gate", bool, False)))
 
 
-def _vision(c: dict[str, Any]) -> VisionConfig:
+def _vision(c: dict[str, Any]) -> VisionTowerConfig:
     f = functools.partial(_field, c, where="vision_config.")
     merge = f("merge_kernel_size", list, [2, 2])
-    return VisionConfig(
+    return VisionTowerConfig(
         f("patch_size", int, 14), f("init_pos_emb_height", int, 64),
         f("init_pos_emb_width", int, 64), f("vt_num_attention_heads", int, 12),
         f("vt_num_hidden_layers", int, 27), f("vt_hidden_size", int, 1024),
@@ -466,7 +466,7 @@ def _latent_projections(t: TextConfig, p: str, tp: int) -> list[ExpectedTensor]:
     return out
 
 
-def _vision_tower(v: VisionConfig, tp: int) -> list[ExpectedTensor]:
+def _vision_tower(v: VisionTowerConfig, tp: int) -> list[ExpectedTensor]:
     p, c = "vision_tower.", "vision"
     out = [_float(f"{p}patch_embed.proj.weight", (v.hidden_size, 3, v.patch_size, v.patch_size),
                   "[vt_hidden_size, 3, patch_size, patch_size]", c),
@@ -479,13 +479,13 @@ def _vision_tower(v: VisionConfig, tp: int) -> list[ExpectedTensor]:
     return out + _vision_norm(v, f"{p}encoder.final_layernorm")
 
 
-def _vision_norm(v: VisionConfig, name: str) -> list[ExpectedTensor]:
+def _vision_norm(v: VisionTowerConfig, name: str) -> list[ExpectedTensor]:
     parts = ("weight", "bias") if v.norm_type == "layernorm" else ("weight",)
     return [_float(f"{name}.{part}", (v.hidden_size,), "[vt_hidden_size]", "vision")
             for part in parts]
 
 
-def _vision_block(v: VisionConfig, p: str, tp: int) -> list[ExpectedTensor]:
+def _vision_block(v: VisionTowerConfig, p: str, tp: int) -> list[ExpectedTensor]:
     share = 1 / tp if v.num_heads % tp == 0 else 1.0  # else vLLM runs the ViT data-parallel
     hid, qkv, inter = v.hidden_size, v.qkv_hidden_size, v.intermediate_size
     out = _vision_norm(v, f"{p}norm0") + _vision_norm(v, f"{p}norm1")
@@ -509,7 +509,7 @@ def _vision_linear(name: str, out_dim: int, in_dim: int, dims: str, bias: bool, 
     return [weight, _float(f"{name}.bias", (out_dim,), bias_dims, "vision", bias_share)]
 
 
-def _projector(v: VisionConfig, text_hidden: int) -> list[ExpectedTensor]:
+def _projector(v: VisionTowerConfig, text_hidden: int) -> list[ExpectedTensor]:
     merged = v.hidden_size * v.merge_kernel_size[0] * v.merge_kernel_size[1]
     p, m = "mm_projector.", "vt_hidden_size * merge_kernel_size area"
     v2 = v.projector_type == "patchmergerv2"

@@ -5,10 +5,10 @@ once, then `propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_m
 synchronously every engine step; the returned lists (one per batch row) are the draft tokens its
 rejection sampler verifies in the next step, so the output is the target's whatever they are.
 
-Per step the proposer sends ONE message for the whole batch over a TCP connection straight to the
-DraftService replica, whose address it gets from the resolver in the LM replica (a Unix socket
-named by `MOONSERVE_DRAFT_SOCKET`; `moonserve.pipeline.speculative.endpoint`); `moonserve.pipeline.speculative.wire`
-has the message format:
+Per step the proposer sends ONE message for the whole batch over a ZeroMQ connection straight to
+the DraftService replica, whose address it gets from the resolver in the LM replica (a Unix socket
+named by `MOONSERVE_DRAFT_SOCKET`; `moonserve.pipeline.speculative.endpoint`);
+`moonserve.pipeline.speculative.wire` has the message schemas:
 
 - Rows are mapped to request ids through the model runner's input batch (the runner is the frame
   that constructs this class), so the service keeps one context per request; each row sends only
@@ -18,9 +18,9 @@ has the message format:
 - Deadline: the reply must come within `MOONSERVE_DRAFT_DEADLINE_MS` (or the deadline the service
   last sent, see `DraftService.set_deadline`), else the step drafts nothing.
   At most one call is in flight: while a late reply is outstanding (or the service is unreachable,
-  or its address is being resolved), steps draft nothing WITHOUT waiting, so a dead DraftService
-  costs decode one deadline, not one per step. The late reply is read and dropped when it comes;
-  speculation resumes on the next step.
+  or its address is being resolved, or the connection's handshake is under way), steps draft
+  nothing WITHOUT waiting, so a dead DraftService costs decode one deadline, not one per step.
+  The late reply is read and dropped when it comes; speculation resumes on the next step.
 - Tensor parallelism: rank 0 calls and broadcasts its drafts over the TP group's CPU group, so every
   rank returns identical drafts.
 
@@ -32,18 +32,31 @@ Example (what vLLM does with it):
 from __future__ import annotations
 
 import logging
+import math
 import os
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
 
-from moonserve.pipeline.speculative.wire import FrameReader, send_frame
+import msgspec
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from moonserve.pipeline.speculative.endpoint import connect_step_socket
+from moonserve.pipeline.speculative.wire import (
+    EndpointAnswer,
+    EndpointQuery,
+    Row,
+    StepReply,
+    StepRequest,
+    StepStats,
+)
 
 ENV_SOCKET = "MOONSERVE_DRAFT_SOCKET"
 ENV_DEADLINE_MS = "MOONSERVE_DRAFT_DEADLINE_MS"
 DEFAULT_DEADLINE_MS = 25.0
-# After a failed connect, try again this much later (steps in between draft nothing).
+# After a failed connection or an answer without a service, ask the resolver again this much later
+# (steps in between draft nothing).
 RECONNECT_INTERVAL_S = 1.0
 
 logger = logging.getLogger("moonserve.proposer")
@@ -58,9 +71,8 @@ class ProposerStats:
     missed: int = 0  # the reply missed the deadline
     rtt_s: list[float] = field(default_factory=list)
 
-    def take(self) -> dict:
-        out = {"calls": self.calls, "skipped": self.skipped, "missed": self.missed,
-               "rtt_s": self.rtt_s}
+    def take(self) -> StepStats:
+        out = StepStats(self.calls, self.skipped, self.missed, self.rtt_s)
         self.calls = self.skipped = self.missed = 0
         self.rtt_s = []
         return out
@@ -71,39 +83,45 @@ class DraftClient:
     longer than the deadline.
 
     The DraftService's address comes from the LM replica's resolver (a Unix socket, see
-    `moonserve.pipeline.speculative.endpoint`), asked without waiting: steps draft nothing until the answer
-    is there. A failed connection marks that address stale, so the resolver asks Serve again.
+    `moonserve.pipeline.speculative.endpoint`), asked without waiting: steps draft nothing until
+    the answer is there and the connection's handshake is done. A lost or refused connection marks
+    that address stale, so the resolver asks Serve again.
     """
 
     def __init__(self, resolver_path: str, deadline_s: float, stats: ProposerStats):
         self.resolver_path = resolver_path
         self.deadline_s = deadline_s
         self.stats = stats
-        self.resolver: socket.socket | None = None
-        self.resolver_reader: FrameReader | None = None
+        self.context = zmq.Context(io_threads=1)  # no thread until the first socket (TP rank 0)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.reply_decoder = msgspec.msgpack.Decoder(StepReply)
+        self.answer_decoder = msgspec.msgpack.Decoder(EndpointAnswer)
+        self.resolver: zmq.Socket | None = None
         self.resolving = False  # a query to the resolver is unanswered
-        self.next_attempt = 0.0  # no resolver connect / query / service connect before this
-        self.endpoint: dict | None = None
+        self.next_attempt = 0.0  # no resolver query before this
+        self.endpoint: EndpointAnswer | None = None
         self.stale: str | None = None
-        self.sock: socket.socket | None = None
-        self.reader: FrameReader | None = None
+        self.sock: zmq.Socket | None = None  # DEALER to the step server
+        self.monitor: zmq.Socket | None = None  # its connection events
+        self.poller: zmq.Poller | None = None
+        self.connected = False  # the handshake succeeded: steps can be sent
         self.seq = 0
         self.pending: int | None = None  # seq of a call whose reply has not come yet
 
-    def call(self, message: dict) -> dict | None:
-        """Send `message` and wait for its reply; None when no reply within the deadline."""
+    def call(self, request: StepRequest) -> StepReply | None:
+        """Send `request` and wait for its reply; None when no reply within the deadline."""
         if not self._ready():
             self.stats.skipped += 1
             return None
         self.seq += 1
-        message["seq"] = self.seq
-        message["stats"] = self.stats.take()  # counted since the last message that went out
+        request.seq = self.seq
+        request.stats = self.stats.take()  # counted since the last message that went out
         start = time.monotonic()
         try:
-            send_frame(self.sock, message)
+            self._send(request)
             self.pending = self.seq
             reply = self._wait(self.deadline_s)
-        except OSError as e:  # ConnectionError included
+        except ConnectionError as e:
             logger.warning("draft service connection lost (%s); drafting nothing meanwhile", e)
             self._drop_service()
             return None
@@ -114,81 +132,108 @@ class DraftClient:
         self.stats.rtt_s.append(time.monotonic() - start)
         return reply
 
+    def close(self) -> None:
+        self.context.destroy(linger=0)  # closes every socket of this client
+
     def _ready(self) -> bool:
         if self.sock is None:
             if self.endpoint is None:
                 self._poll_resolver()
-            if self.endpoint is not None:
-                self._connect_service()
-            return False if self.sock is None else self.pending is None
-        if self.pending is not None:
-            try:
-                self._wait(0.0)  # the late reply of a missed call: read and drop it
-            except OSError:
-                self._drop_service()
+            if self.endpoint is None:
                 return False
-        return self.pending is None
+            self._connect_service()
+        try:
+            if not self.connected:
+                self._check_monitor()
+            elif self.pending is not None:
+                self._wait(0.0)  # the late reply of a missed call: read and drop it
+        except ConnectionError as e:
+            logger.warning("draft service connection lost (%s); drafting nothing meanwhile", e)
+            self._drop_service()
+            return False
+        return self.connected and self.pending is None
 
-    def _wait(self, timeout_s: float) -> dict | None:
+    def _send(self, request: StepRequest) -> None:
+        try:
+            self.sock.send(self.encoder.encode(request), zmq.NOBLOCK)
+        except zmq.Again as e:  # `immediate`: the connection went since the last step
+            raise ConnectionError("disconnected") from e
+
+    def _wait(self, timeout_s: float) -> StepReply | None:
+        """The pending call's reply, or None when none comes within `timeout_s`; older (late)
+        replies are dropped. Raises ConnectionError when the connection is lost."""
         deadline = time.monotonic() + timeout_s
         while True:
-            frame = self.reader.read(max(0.0, deadline - time.monotonic()))
-            if frame is None:
-                return None
-            if frame.get("deadline_ms"):  # the service's say, late replies included
-                self.deadline_s = float(frame["deadline_ms"]) / 1000.0
-            if frame.get("seq") == self.pending:
+            left_ms = math.ceil(max(0.0, deadline - time.monotonic()) * 1000)
+            ready = dict(self.poller.poll(left_ms))
+            if self.monitor in ready:
+                self._check_monitor()
+            if self.sock not in ready:
+                if time.monotonic() >= deadline:
+                    return None
+                continue
+            try:
+                reply = self.reply_decoder.decode(self.sock.recv())
+            except msgspec.DecodeError as e:
+                raise ConnectionError(f"unreadable draft reply: {e}") from e
+            if reply.deadline_ms:  # the service's say, late replies included
+                self.deadline_s = reply.deadline_ms / 1000.0
+            if reply.seq == self.pending:
                 self.pending = None
-                return frame
-            # an older late reply: drop it
+                return reply
+
+    def _check_monitor(self) -> None:
+        """Apply the step connection's events; raises ConnectionError when it is lost."""
+        while True:
+            try:
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                return
+            if event != zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                raise ConnectionError(zmq.Event(event).name.lower())
+            self.connected = True
 
     def _poll_resolver(self) -> None:
+        if self.resolver is None:  # zmq connects (and reconnects) in the background
+            self.resolver = self.context.socket(zmq.DEALER)
+            self.resolver.linger = 0
+            self.resolver.connect(f"ipc://{self.resolver_path}")
         now = time.monotonic()
+        if not self.resolving:
+            if now < self.next_attempt:
+                return
+            try:
+                self.resolver.send(self.encoder.encode(EndpointQuery(self.stale)), zmq.NOBLOCK)
+            except zmq.Again:  # not queued (the resolver socket is not set up yet): next step
+                return
+            self.resolving = True
         try:
-            if self.resolver is None:
-                if now < self.next_attempt:
-                    return
-                self.next_attempt = now + RECONNECT_INTERVAL_S
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                try:
-                    sock.connect(self.resolver_path)
-                except OSError:
-                    sock.close()
-                    return
-                self.resolver, self.resolver_reader, self.resolving = sock, FrameReader(sock), False
-            if not self.resolving and now >= self.next_attempt:
-                send_frame(self.resolver, {"op": "endpoint", "stale": self.stale})
-                self.resolving = True
-            answer = self.resolver_reader.read(0.0) if self.resolving else None
-        except OSError:
-            if self.resolver is not None:
-                self.resolver.close()
-            self.resolver = self.resolver_reader = None
+            answer = self.answer_decoder.decode(self.resolver.recv(zmq.NOBLOCK))
+        except zmq.Again:  # no answer yet
             return
-        if answer is not None:
-            self.resolving = False
-            if "endpoint" in answer:
-                self.endpoint = answer
-            else:  # the service is down: ask again a little later
-                self.next_attempt = now + RECONNECT_INTERVAL_S
+        except msgspec.DecodeError as e:
+            answer = EndpointAnswer(error=f"unreadable resolver answer: {e}")
+        self.resolving = False
+        if answer.endpoint and answer.token:
+            self.endpoint = answer
+        else:  # the service is down: ask again a little later
+            self.next_attempt = now + RECONNECT_INTERVAL_S
 
     def _connect_service(self) -> None:
-        host, port = self.endpoint["endpoint"].rsplit(":", 1)
-        try:
-            sock = socket.create_connection((host, int(port)), timeout=self.deadline_s)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            send_frame(sock, {"token": self.endpoint["token"]})
-        except OSError:
-            self._drop_service()
-            return
-        self.sock, self.reader, self.pending = sock, FrameReader(sock), None
+        self.sock, self.monitor = connect_step_socket(self.context, self.endpoint)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
+        self.connected, self.pending = False, None
 
     def _drop_service(self) -> None:
         if self.sock is not None:
-            self.sock.close()
+            self.sock.close(linger=0)
+            self.monitor.close(linger=0)
         if self.endpoint is not None:
-            self.stale = self.endpoint["endpoint"]
-        self.sock = self.reader = self.pending = self.endpoint = None
+            self.stale = self.endpoint.endpoint
+        self.sock = self.monitor = self.poller = self.pending = self.endpoint = None
+        self.connected = False
         self.next_attempt = time.monotonic() + RECONNECT_INTERVAL_S
 
 
@@ -248,7 +293,7 @@ class ServiceProposer:
                 continue
             request_id = req_ids[i]
             position = min(self.sent.get(request_id, 0), num_tokens)
-            rows.append([request_id, position, token_ids_cpu[i, position:num_tokens].tolist()])
+            rows.append(Row(request_id, position, token_ids_cpu[i, position:num_tokens].tolist()))
             slots.append(i)
             room.append(min(self.k, self.max_model_len - num_tokens))
             self.sent[request_id] = num_tokens
@@ -258,16 +303,16 @@ class ServiceProposer:
             del self.sent[request_id]
         if not rows and not release:
             return drafts
-        reply = self.client.call({"k": self.k, "rows": rows, "release": release})
-        if reply is None or reply.get("error"):
+        reply = self.client.call(StepRequest(k=self.k, rows=rows, release=release))
+        if reply is None or reply.error:
             # Not known whether the service applied these tokens: resend them next time.
-            for request_id, position, _ in rows:
-                self.sent[request_id] = position
+            for row in rows:
+                self.sent[row.request_id] = row.position
             return drafts
-        for slot, limit, (request_id, _, _), row_drafts, resend in zip(
-                slots, room, rows, reply["drafts"], reply["resend_from"], strict=True):
+        for slot, limit, row, row_drafts, resend in zip(
+                slots, room, rows, reply.drafts, reply.resend_from, strict=True):
             if resend >= 0:
-                self.sent[request_id] = resend
+                self.sent[row.request_id] = resend
             else:
-                drafts[slot] = list(row_drafts)[:limit]
+                drafts[slot] = row_drafts[:limit]
         return drafts

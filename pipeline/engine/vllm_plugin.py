@@ -8,7 +8,7 @@ Two fixes for vLLM 0.32's CPU build; on GPUs nothing changes.
    runner rewind the request's generator with `set_offset`, which CPU generators do not have
    ("RuntimeError: CPU Generator does not use offset"). That kills the engine and every request in
    it. On CPU the rewind is skipped: a seeded request stays deterministic for a given engine
-   configuration (the discarded sample still consumes its random numbers). `tests/test_api.py`
+   configuration (the discarded sample still consumes its random numbers). `tests/server/test_api.py`
    sends a seeded long prompt.
 
 2. Lossy speculative sampling. The rejection sampler expands each request's temperature, top-k
@@ -18,7 +18,7 @@ Two fixes for vLLM 0.32's CPU build; on GPUs nothing changes.
    (temperature > 0) requests with drafts then accept and recover the wrong tokens: measured on
    the embedded model with vLLM's own ngram drafter, a continuation of probability 0.85 came out
    98 times in 400 samples, and a junk token 182 times. On CPU the expansion is plain torch.
-   `tests/test_speculative_server.py` checks sampled tokens against the model's exact
+   `tests/server/test_speculative_server.py` checks sampled tokens against the model's exact
    distribution.
 """
 

@@ -57,9 +57,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moonserve.kernels.mxfp4.format import BLOCKS_SUFFIX, SCALES_SUFFIX, is_packed_part
 from moonserve.kernels.mxfp4.linear import (
-    BLOCKS_SUFFIX,
-    SCALES_SUFFIX,
     MXFP4Linear,
     check_pair,
     load_weights,
@@ -67,7 +66,16 @@ from moonserve.kernels.mxfp4.linear import (
     packed_weight_shape,
 )
 from moonserve.kernels.mxfp4.naive import dequantize
-from moonserve.pipeline.models.weights import CONFIG_FILE, WEIGHTS_FILE
+from moonserve.pipeline.models.weights import (
+    CONFIG_FILE,
+    LM_HEAD_NAMES,
+    TOKEN_EMBEDDING_NAMES,
+    WEIGHTS_FILE,
+    find_tensor,
+    place_tensors,
+    read_tensors,
+    tensor_files,
+)
 
 MODEL_TYPE = "moonserve_dspark"
 ATTENTION_TYPES = ("mla", "gqa")
@@ -76,10 +84,6 @@ DEFAULT_MARKOV_RANK = 64  # the embedded build's rank
 # target's hidden states into the context (and its fused per-layer KV copy), and the training-time
 # acceptance-probability head.
 IGNORED_PREFIXES = ("context_proj.", "context_norm.", "context_kv_proj.", "confidence_head.")
-# Where a target checkpoint keeps its embedding (Llama / DeepSeek; Kimi-VL-style wrappers) and, when
-# it is not tied to the embedding, its LM head.
-TARGET_EMBEDDING_NAMES = ("model.embed_tokens.weight", "language_model.model.embed_tokens.weight")
-TARGET_LM_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight")
 SHARED_EMBEDDING_HINT = ("pass the target's embedding: DSparkDrafter.from_pretrained(path, "
                          "shared=target_shared_tensors(target_dir))")
 
@@ -568,9 +572,7 @@ def load_model(
         model = DSparkModel(config, tie_word_embeddings=not untied)
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
     check_tensor_names(expected, logical_shapes(model, tensors, source), source)
-    state = {name: (t.to(device) if name.endswith((BLOCKS_SUFFIX, SCALES_SUFFIX))
-                    else t.to(device, dtype)).contiguous() for name, t in tensors.items()}
-    load_weights(model, state, strict=True, assign=True)
+    load_weights(model, place_tensors(tensors, device, dtype), strict=True, assign=True)
     return model.eval().requires_grad_(False)
 
 
@@ -589,8 +591,7 @@ def logical_shapes(
     model: DSparkModel, tensors: Mapping[str, torch.Tensor], source: str
 ) -> dict[str, tuple[int, ...]]:
     """Name -> shape, with each MXFP4 pair as its logical `X.weight` `[out, in]`."""
-    shapes = {name: tuple(t.shape) for name, t in tensors.items()
-              if not name.endswith((BLOCKS_SUFFIX, SCALES_SUFFIX))}
+    shapes = {name: tuple(t.shape) for name, t in tensors.items() if not is_packed_part(name)}
     linears = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     for name in packed_weight_names(tensors):
         blocks, scales = check_pair(name, tensors)
@@ -635,18 +636,6 @@ def save_model(model: DSparkModel, out_dir: Path) -> None:
     save_file(state, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
 
 
-def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors files")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        tensors.update(load_file(str(file)))
-    return tensors
-
-
 def target_shared_tensors(lm_dir: Path | str) -> dict[str, torch.Tensor]:
     """The target's tensors a drafter shares: `embed_tokens.weight` `[vocab, hidden]`, plus
     `lm_head.weight` `[vocab, hidden]` when the checkpoint has an LM head of its own (untied);
@@ -657,39 +646,14 @@ def target_shared_tensors(lm_dir: Path | str) -> dict[str, torch.Tensor]:
     >>> drafter = DSparkDrafter.from_pretrained(drafter_dir,  # doctest: +SKIP
     ...                                         shared=target_shared_tensors(lm_dir))
     """
-    lm_dir = Path(lm_dir)
-    files = target_tensor_files(lm_dir)
-    embedding = next((name for name in TARGET_EMBEDDING_NAMES if name in files), None)
+    files = tensor_files(lm_dir)
+    embedding = find_tensor(files, TOKEN_EMBEDDING_NAMES)
     if embedding is None:
         raise ValueError(f"{lm_dir}: no target embedding to share: none of "
-                         f"{', '.join(TARGET_EMBEDDING_NAMES)} in its safetensors")
+                         f"{', '.join(TOKEN_EMBEDDING_NAMES)} in its safetensors")
     shared = {"embed_tokens.weight": embedding}
-    lm_head = next((name for name in TARGET_LM_HEAD_NAMES if name in files), None)
+    lm_head = find_tensor(files, LM_HEAD_NAMES)
     if lm_head is not None:
         shared["lm_head.weight"] = lm_head
-    return {name: read_tensor(files[src], src) for name, src in shared.items()}
-
-
-def target_tensor_files(lm_dir: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it."""
-    from safetensors import safe_open
-
-    index = lm_dir / f"{WEIGHTS_FILE}.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: lm_dir / file for name, file in weight_map.items()}
-    files = sorted(lm_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{lm_dir}: no *.safetensors files")
-    located: dict[str, Path] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            located.update(dict.fromkeys(f.keys(), file))
-    return located
-
-
-def read_tensor(file: Path, name: str) -> torch.Tensor:
-    from safetensors import safe_open
-
-    with safe_open(str(file), framework="pt") as f:
-        return f.get_tensor(name)
+    tensors = read_tensors(files, shared.values())
+    return {name: tensors[src] for name, src in shared.items()}

@@ -7,9 +7,9 @@ encoder layers whose attention uses interleaved 2D rotary and never crosses an i
 final RMSNorm, a 2x2 patch merge, and the ``patchmergerv2`` projector to the text hidden size.
 
 Parameter names are the checkpoint's (``vision_tower.encoder.blocks.0.wqkv.weight``,
-``mm_projector.proj.0.weight``, ...), so a Kimi K3 checkpoint's vision tensors load as they are. A
-linear weight may also ship as an MXFP4 pair (``...wqkv.weight_blocks`` + ``...wqkv.weight_scales``);
-load_moonvit then runs that linear as a moonserve.kernels.mxfp4.MXFP4Linear, on the packed weight itself.
+``mm_projector.proj.0.weight``, ...), so a Kimi K3 checkpoint's vision tensors load as they are:
+``moonserve.pipeline.models.moonvit_checkpoint.load_moonvit`` reads, checks and loads them, linear
+weights shipped as MXFP4 pairs included.
 
 Example:
     >>> import torch
@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -37,29 +36,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moonserve.kernels.mxfp4.linear import (
-    BLOCKS_SUFFIX,
-    SCALE_DTYPES,
-    SCALES_SUFFIX,
-    load_weights,
-    packed_weight_names,
-    packed_weight_shape,
-)
 from moonserve.kernels.vision_attention import (
     Backend,
     cu_seqlens_from_grid_thw,
     rope_2d_cos_sin,
     varlen_attention,
 )
+from moonserve.pipeline.models.weights import CONFIG_FILE
 
 IN_CHANNELS = 3
 # Rope2DPosEmbRepeated(head_dim, 512, 512) in vLLM: the largest grid, in patches, on either side.
 ROPE_MAX_GRID = 512
 ROPE_THETA = 10000.0
-CHECKPOINT_PREFIXES = ("vision_tower.", "mm_projector.")
-# vLLM's own module names for the projector's linears (checkpoints re-exported from vLLM use them);
-# Kimi K3's weight mapper turns the checkpoint's proj.0 / proj.2 into these, so both load.
-VLLM_NAME_ALIASES = {"mm_projector.linear_1.": "mm_projector.proj.0.", "mm_projector.linear_2.": "mm_projector.proj.2."}
 SUPPORTED = {
     "pos_emb_type": ("divided_fixed",),
     "pos_emb_interpolation_mode": ("bilinear", "bicubic"),
@@ -141,7 +129,7 @@ class MoonViTConfig:
     @classmethod
     def from_pretrained(cls, path: str | Path) -> MoonViTConfig:
         """From the config.json in a checkpoint directory."""
-        return cls.from_dict(json.loads((Path(path) / "config.json").read_text()))
+        return cls.from_dict(json.loads((Path(path) / CONFIG_FILE).read_text()))
 
     def to_dict(self) -> dict[str, Any]:
         return {"model_type": "kimi_k3_vision", **dataclasses.asdict(self)}
@@ -344,7 +332,8 @@ class PatchMergerV2Projector(nn.Module):
 
 
 class MoonViT(nn.Module):
-    """Vision tower + projector, randomly initialized (torch defaults); load_moonvit loads a checkpoint."""
+    """Vision tower + projector, randomly initialized (torch defaults); moonvit_checkpoint.load_moonvit
+    loads a checkpoint."""
 
     def __init__(self, cfg: MoonViTConfig, attention_backend: Backend = "auto"):
         super().__init__()
@@ -406,121 +395,3 @@ def expected_tensor_shapes(cfg: MoonViTConfig) -> dict[str, tuple[int, ...]]:
 def linear_weight_names(cfg: MoonViTConfig) -> set[str]:
     """Names of the nn.Linear weights: those a checkpoint may ship as MXFP4 _blocks + _scales pairs."""
     return {f"{name}.weight" for name, m in build_on_meta(cfg).named_modules() if isinstance(m, nn.Linear)}
-
-
-class CheckpointMismatchError(ValueError):
-    """A checkpoint's vision tensors do not fit the config; the message names every offending tensor."""
-
-
-def checkpoint_files(path: str | Path) -> list[Path]:
-    """The safetensors file itself, or every *.safetensors file in a directory."""
-    path = Path(path)
-    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no .safetensors files at {path}")
-    return files
-
-
-def checkpoint_name(name: str) -> str:
-    """The checkpoint's spelling of a tensor name (vLLM's mm_projector.linear_1 -> mm_projector.proj.0)."""
-    for alias, canonical in VLLM_NAME_ALIASES.items():
-        if name.startswith(alias):
-            return canonical + name.removeprefix(alias)
-    return name
-
-
-def read_checkpoint_tensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every vision_tower.* and mm_projector.* tensor of a safetensors checkpoint (nothing else is read)."""
-    from safetensors import safe_open
-
-    tensors = {}
-    for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if name.startswith(CHECKPOINT_PREFIXES):
-                    tensors[checkpoint_name(name)] = f.get_tensor(name)
-    return tensors
-
-
-def is_packed_part(name: str) -> bool:
-    """True for an MXFP4 half, ``X_blocks`` or ``X_scales`` (no float tensor of MoonViT ends so)."""
-    return name.endswith((BLOCKS_SUFFIX, SCALES_SUFFIX))
-
-
-def describe_mismatch(tensors: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]],
-                      linear_weights: AbstractSet[str] = frozenset()) -> list[str]:
-    """One line per missing, unexpected, mis-shaped or non-float tensor, and per MXFP4 pair that is
-    incomplete, mis-typed, of the wrong logical shape, or not in place of a linear weight."""
-    packed = set(packed_weight_names(tensors)) & set(linear_weights)  # logical names a pair stands for
-    problems = [f"missing tensor {name} {list(shape)}" for name, shape in expected.items()
-                if name not in tensors and name not in packed]
-    problems += [f"unexpected tensor {name} {list(t.shape)}" for name, t in tensors.items()
-                 if name not in expected and not is_packed_part(name)]
-    for name, t in tensors.items():
-        if name in expected and tuple(t.shape) != expected[name]:
-            problems.append(f"tensor {name} has shape {list(t.shape)}, the config needs {list(expected[name])}")
-        elif name in expected and not t.is_floating_point():
-            problems.append(f"tensor {name} has dtype {t.dtype}; MoonViT loads float weights, or linear "
-                            f"weights as MXFP4 {name}{BLOCKS_SUFFIX} + {name}{SCALES_SUFFIX}")
-    packed_problems = (describe_packed_mismatch(name, tensors, expected, linear_weights)
-                       for name in packed_weight_names(tensors))
-    return problems + [problem for problem in packed_problems if problem]
-
-
-def describe_packed_mismatch(name: str, tensors: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]],
-                             linear_weights: AbstractSet[str]) -> str | None:
-    """The problem, if any, with the MXFP4 pair standing for weight `name` (logical shape [N, G * 32])."""
-    blocks, scales = tensors.get(name + BLOCKS_SUFFIX), tensors.get(name + SCALES_SUFFIX)
-    if blocks is None or scales is None:
-        present, absent = (BLOCKS_SUFFIX, SCALES_SUFFIX) if scales is None else (SCALES_SUFFIX, BLOCKS_SUFFIX)
-        return (f"tensor {name}{present} {list(tensors[name + present].shape)} has no {name}{absent}: "
-                f"MXFP4 weights come as {BLOCKS_SUFFIX} + {SCALES_SUFFIX} pairs")
-    pair = f"{name}{BLOCKS_SUFFIX} {list(blocks.shape)} + {name}{SCALES_SUFFIX} {list(scales.shape)}"
-    if name not in linear_weights:
-        return f"unexpected tensors {pair}: MoonViT takes MXFP4 pairs for linear weights only"
-    if name in tensors:
-        return f"tensor {name} comes both as a float tensor and as MXFP4 {pair}"
-    if blocks.dtype != torch.uint8 or scales.dtype not in SCALE_DTYPES:
-        return (f"tensors {pair} have dtypes {blocks.dtype} + {scales.dtype}; MXFP4 needs uint8 blocks "
-                "and uint8 (or float8_e8m0fnu) scales")
-    shape = packed_weight_shape(blocks, scales)
-    if shape != expected[name]:
-        held = "no weight: blocks must be [N, G, 16] and scales [N, G]" if shape is None else str(list(shape))
-        return f"tensors {pair} hold {held}, the config needs {name} {list(expected[name])}"
-    return None
-
-
-def load_state_dict_from_checkpoint(path: str | Path, cfg: MoonViTConfig) -> dict[str, torch.Tensor]:
-    """The vision tower + projector state dict of a safetensors checkpoint (file or directory).
-
-    Linear weights may come as MXFP4 pairs, ``X.weight_blocks`` uint8 [N, G, 16] + ``X.weight_scales``
-    [N, G] (logical [N, G * 32]); they are returned as they are. Raises CheckpointMismatchError
-    naming every missing, unexpected or mis-shaped tensor.
-    """
-    tensors = read_checkpoint_tensors(path)
-    problems = describe_mismatch(tensors, expected_tensor_shapes(cfg), linear_weight_names(cfg))
-    if problems:
-        raise CheckpointMismatchError(f"{path}: the MoonViT checkpoint does not fit its config:\n  "
-                                      + "\n  ".join(problems))
-    return tensors
-
-
-def load_moonvit(path: str | Path, cfg: MoonViTConfig | None = None, *, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", attention_backend: Backend = "auto") -> MoonViT:
-    """A MoonViT in eval mode with a checkpoint's weights; cfg defaults to the directory's config.json.
-
-    Float tensors are cast to dtype; MXFP4 pairs stay packed (uint8) and their linears become
-    MXFP4Linear (Triton matmul on GPUs with triton, the torch reference elsewhere).
-
-    >>> model = load_moonvit("/path/to/kimi-k3", dtype=torch.bfloat16, device="cuda")  # doctest: +SKIP
-    """
-    if cfg is None:
-        cfg = MoonViTConfig.from_pretrained(path if Path(path).is_dir() else Path(path).parent)
-    state = load_state_dict_from_checkpoint(path, cfg)
-    model = build_on_meta(cfg)
-    model.attention_backend = attention_backend
-    # MXFP4 halves keep their dtype (float8_e8m0fnu scales are floats to torch, but hold exponents).
-    state = {name: t.to(device) if is_packed_part(name) else t.to(device=device, dtype=dtype)
-             for name, t in state.items()}
-    load_weights(model, state, assign=True)  # MXFP4 pairs turn their nn.Linear into an MXFP4Linear
-    return model.eval().requires_grad_(False)

@@ -26,10 +26,10 @@ from moonserve.pipeline.models.dspark import (
     DSparkModel,
     check_supported,
     load_model,
-    read_safetensors,
     save_model,
     target_shared_tensors,
 )
+from moonserve.pipeline.models.weights import load_tensors
 from moonserve.pipeline.prepare.store import CONFIG_FILE, WEIGHTS_FILE, Artifact, build_dir
 
 # Measured by `moonserve.pipeline.bench.acceptance.measure_layer_choices`: docs/speculative.md.
@@ -184,7 +184,7 @@ def quantize_drafter_checkpoint(src_dir: Path | str, out_dir: Path | str) -> Pat
 
     src_dir = Path(src_dir)
     names = mxfp4_weight_names(DSparkConfig.from_json(src_dir / CONFIG_FILE))
-    packed = quantize_linear_weights(read_safetensors(src_dir), lambda name, _: name in names)
+    packed = quantize_linear_weights(load_tensors(src_dir), lambda name, _: name in names)
 
     def write(staging: Path) -> None:
         shutil.copyfile(src_dir / CONFIG_FILE, staging / CONFIG_FILE)

@@ -4,7 +4,7 @@ Same architecture and checkpoint names as the production encoder (14x14 patches,
 table, 2D rotary, 2x2 merge, patchmergerv2 projector), narrower and shallower: hidden 96, 2 heads of
 64, 2 layers, projecting to the embedded LM's hidden size (576, SmolLM2-135M). Its weights are random,
 so its embeddings carry no meaning; it exists so that the image path runs end to end on a CPU and
-so that the production loader (moonserve.pipeline.models.moonvit.load_moonvit) is what loads it.
+so that the production loader (moonserve.pipeline.models.moonvit_checkpoint.load_moonvit) is what loads it.
 
 Written under ``$MOONSERVE_HOME/models/moonvit-embedded/`` as ``model.safetensors`` + ``config.json``
 + a SHA-256 manifest (a `store.Artifact`); a directory whose manifest matches (files, seed, config)
@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from moonserve.pipeline.models.moonvit import MoonViT, MoonViTConfig, expected_tensor_shapes, load_moonvit
+from moonserve.pipeline.models.moonvit import MoonViT, MoonViTConfig, expected_tensor_shapes
+from moonserve.pipeline.models.moonvit_checkpoint import load_moonvit
 from moonserve.pipeline.prepare.store import CONFIG_FILE, WEIGHTS_FILE, Artifact
 
 # Bump the version whenever the architecture or the initialization changes.

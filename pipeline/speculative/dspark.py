@@ -32,10 +32,9 @@ from moonserve.pipeline.models.dspark import (
     DSparkConfig,
     DSparkModel,
     load_model,
-    read_safetensors,
     save_model,
 )
-from moonserve.pipeline.models.weights import CONFIG_FILE
+from moonserve.pipeline.models.weights import CONFIG_FILE, load_tensors
 
 
 class DSparkState:
@@ -143,7 +142,7 @@ class DSparkDrafter:
         """
         path = Path(path)
         config = DSparkConfig.from_json(path / CONFIG_FILE)
-        tensors = {**(shared or {}), **read_safetensors(path)}
+        tensors = {**(shared or {}), **load_tensors(path)}
         model = load_model(config, tensors, source=str(path), dtype=dtype, device=device)
         return cls(model, max_model_len)
 

@@ -40,6 +40,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from pydantic import ConfigDict, PositiveFloat, PositiveInt
+from pydantic.dataclasses import dataclass as pydantic_dataclass
+
 from moonserve.pipeline.speculative.drafter import Drafter, DrafterState
 
 
@@ -84,21 +87,15 @@ class ContextTooLongError(DraftSessionError):
         )
 
 
-@dataclass(frozen=True)
+# A pydantic dataclass: the app config validates `draft.sessions` as this class, so each field,
+# default and bound is written once; unknown keys fail naming the key.
+@pydantic_dataclass(frozen=True, config=ConfigDict(extra="forbid"))
 class SessionLimits:
     """Bounds on the service's memory; the least recently used session goes first."""
 
-    max_sessions: int = 1024
-    max_total_tokens: int = 4_000_000
-    idle_timeout_s: float = 300.0
-
-    def __post_init__(self) -> None:
-        if (
-            self.max_sessions < 1
-            or self.max_total_tokens < 1
-            or self.idle_timeout_s <= 0
-        ):
-            raise ValueError(f"session limits must be positive, got {self}")
+    max_sessions: PositiveInt = 1024
+    max_total_tokens: PositiveInt = 4_000_000
+    idle_timeout_s: PositiveFloat = 300.0
 
 
 @dataclass

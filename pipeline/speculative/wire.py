@@ -1,79 +1,78 @@
-"""The draft step message between vLLM's proposer and the DraftService.
+"""The draft step messages between vLLM's proposer and the DraftService: msgspec schemas.
 
-One frame = a 4-byte big-endian length, then a msgpack map. After a `{"token": ...}` hello
-(`moonserve.pipeline.speculative.endpoint`), the proposer sends, once per engine step, one `step` for the
-whole batch and reads one reply with the same `seq`:
+They travel msgpack-encoded, one per ZeroMQ message (`moonserve.pipeline.speculative.endpoint`).
+Once per engine step the proposer sends one `StepRequest` for the whole batch and reads one
+`StepReply` with the same `seq`; to find the DraftService it asks the LM replica's resolver with an
+`EndpointQuery` and gets an `EndpointAnswer`. Decoding validates a message against its schema
+(`msgspec.ValidationError`, a `msgspec.DecodeError`, names the bad field).
 
-    step  = {"seq": int, "k": int,
-             "rows": [[request_id, position, [new token ids]], ...],
-             "release": [request_id, ...],          # left the batch since the last step
-             "stats": {"calls": int, "skipped": int, "missed": int, "rtt_s": [float, ...]}}
-    reply = {"seq": int, "drafts": [[token ids], ...],   # one per row, maybe empty
-             "resend_from": [int, ...],                  # per row: -1, or where to resend from
-             "error": str | None,
-             "deadline_ms": float}                       # optional: the proposer's new deadline
-
-`position` is how many context tokens the proposer believes the service holds (see
-`moonserve.pipeline.speculative.sessions`); a row whose position is ahead of the service (lost call,
-service restarted) comes back with `resend_from` and no drafts.
+On the wire a request is the map `{"seq", "k", "rows", "release", "stats"}`, each row the array
+`[request_id, position, [new token ids]]`; the DraftService's handler gets exactly that as plain
+Python (`msgspec.to_builtins`, see `DraftCore.step`). `position` is how many context tokens the
+proposer believes the service holds (see `moonserve.pipeline.speculative.sessions`); a row whose
+position is ahead of the service (lost call, service restarted) comes back with `resend_from` and
+no drafts.
 
 Example:
-    >>> a, b = socket.socketpair()
-    >>> send_frame(a, {"seq": 1})
-    >>> FrameReader(b).read(timeout_s=1.0)
-    {'seq': 1}
+    >>> payload = msgspec.msgpack.encode(StepRequest(seq=1, k=2, rows=[Row("r1", 0, [4, 5, 6, 4])]))
+    >>> request = msgspec.msgpack.decode(payload, type=StepRequest)
+    >>> request.rows[0]
+    Row(request_id='r1', position=0, new_token_ids=[4, 5, 6, 4])
+    >>> msgspec.to_builtins(request)["rows"]
+    [['r1', 0, [4, 5, 6, 4]]]
 """
 
 from __future__ import annotations
 
-import select
-import socket
-import struct
-import time
-
-import msgpack
-
-HEADER = struct.Struct(">I")
-MAX_FRAME_BYTES = 64 << 20
+import msgspec
 
 
-def send_frame(sock: socket.socket, message: dict) -> None:
-    payload = msgpack.packb(message, use_bin_type=True)
-    sock.sendall(HEADER.pack(len(payload)) + payload)
+class Row(msgspec.Struct, array_like=True):
+    """One batch row: the tokens of a request added since the proposer's last call for it."""
+
+    request_id: str
+    position: int  # context tokens the proposer believes the service holds
+    new_token_ids: list[int]
 
 
-class FrameReader:
-    """Reads whole frames from a stream socket, waiting at most a given time."""
+class StepStats(msgspec.Struct):
+    """The proposer's counters since its last request (the DraftService exports them)."""
 
-    def __init__(self, sock: socket.socket):
-        self.sock = sock
-        self.buffer = bytearray()
+    calls: int = 0
+    skipped: int = 0  # no call: the previous one is still pending, or no connection yet
+    missed: int = 0  # the reply missed the deadline
+    rtt_s: list[float] = []
 
-    def read(self, timeout_s: float | None) -> dict | None:
-        """The next frame; None when none is complete within `timeout_s` (None: wait forever).
 
-        Raises ConnectionError when the peer closed the connection.
-        """
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while (frame := self._pop()) is None:
-            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, _, _ = select.select([self.sock], [], [], wait)
-            if not ready:
-                return None
-            chunk = self.sock.recv(1 << 16)
-            if not chunk:
-                raise ConnectionError("draft connection closed by the peer")
-            self.buffer += chunk
-        return frame
+class StepRequest(msgspec.Struct, kw_only=True):
+    """One engine step's batch, proposer -> DraftService."""
 
-    def _pop(self) -> dict | None:
-        if len(self.buffer) < HEADER.size:
-            return None
-        (size,) = HEADER.unpack_from(self.buffer)
-        if size > MAX_FRAME_BYTES:
-            raise ConnectionError(f"draft frame of {size} bytes is over {MAX_FRAME_BYTES}")
-        if len(self.buffer) < HEADER.size + size:
-            return None
-        payload = bytes(self.buffer[HEADER.size:HEADER.size + size])
-        del self.buffer[:HEADER.size + size]
-        return msgpack.unpackb(payload, raw=False)
+    seq: int = 0  # set by the proposer's client as it sends
+    k: int  # num_speculative_tokens
+    rows: list[Row]
+    release: list[str] = []  # request ids that left the batch since the last step
+    stats: StepStats = msgspec.field(default_factory=StepStats)
+
+
+class StepReply(msgspec.Struct, kw_only=True):
+    """DraftService -> proposer: per row, drafts or where to resend the context from."""
+
+    seq: int
+    drafts: list[list[int]] = []  # one per row, maybe empty
+    resend_from: list[int] = []  # one per row: -1, or the position to resend from
+    error: str | None = None  # the step failed: no drafts, resend every row
+    deadline_ms: float | None = None  # the proposer's deadline from now on (the service's say)
+
+
+class EndpointQuery(msgspec.Struct):
+    """Proposer -> the LM replica's resolver: where is the DraftService's step server?"""
+
+    stale: str | None = None  # an endpoint that failed: ask Serve for the current one
+
+
+class EndpointAnswer(msgspec.Struct):
+    """The step server's address and secret, or why there is none (the service is down)."""
+
+    endpoint: str | None = None  # "host:port"
+    token: str | None = None
+    error: str | None = None

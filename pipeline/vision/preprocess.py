@@ -8,6 +8,8 @@ The output is what MoonViT (Kimi-K3's vision tower) takes, identical to vLLM's o
 * resize with Pillow BICUBIC to the NaViT size, pad bottom/right to a multiple of
   patch_size * merge with pixel 0, normalize (v / 255 - mean) * (1 / std), patchify row-major.
 
+The sizes and limits are a `PreprocessConfig` (pipeline/vision/preprocess_config.py).
+
 Example:
 
     >>> import io
@@ -35,6 +37,7 @@ from PIL import Image, ImageOps
 
 from moonserve.kernels.patchify import naive as patchify_naive
 from moonserve.pipeline.vision.errors import IMAGE_TOO_LARGE, UNSUPPORTED_IMAGE, ImageError
+from moonserve.pipeline.vision.preprocess_config import DEFAULT_CONFIG, PreprocessConfig
 
 SUPPORTED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # Pillow format names
 SUPPORTED_NAMES = "PNG, JPEG, WebP, GIF, BMP"
@@ -53,68 +56,6 @@ _UNSUPPORTED_MAGIC = (
 _DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, IndexError, struct.error, zlib.error)
 _TRANSPARENT_MODES = ("RGBA", "LA", "PA")
 _SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
-
-
-@dataclass(frozen=True)
-class PreprocessConfig:
-    """How images are decoded, limited and laid out for MoonViT.
-
-    The layout fields mirror the checkpoint's `preprocessor_config.json` `media_proc_cfg`; the
-    defaults are the public Kimi-K2.5 release values (vLLM itself ships none: it reads them from
-    the checkpoint). Mirror these names into the pydantic config.
-    """
-
-    # Side of one ViT patch, in pixels (KimiK3VisionConfig.patch_size).
-    patch_size: int = 14
-    # Patches merged into one LM token (rows, cols) (KimiK3VisionConfig.merge_kernel_size).
-    merge_kernel: tuple[int, int] = (2, 2)
-    # Most patches one image may have after the resize (media_proc_cfg.in_patch_limit): 16384
-    # patches = 4096 image tokens, about 3.2 megapixels.
-    in_patch_limit: int = 16384
-    # Most patches along either side (media_proc_cfg.patch_limit_on_one_side): 512 = 7168 px.
-    patch_limit_on_one_side: int = 512
-    # Per-channel RGB normalization, after scaling to [0, 1] (media_proc_cfg.image_mean/std).
-    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
-    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
-    # Largest encoded image accepted, in bytes (checked before any parsing).
-    max_image_bytes: int = 20 * 1024 * 1024
-    # Largest decoded image accepted, width * height from the header (checked before decoding).
-    max_image_pixels: int = 16_000_000
-    # What transparent pixels are composited onto (vLLM's default rgba_background_color).
-    background_rgb: tuple[int, int, int] = (255, 255, 255)
-
-    def __post_init__(self) -> None:
-        for name in ("patch_size", "in_patch_limit", "patch_limit_on_one_side", "max_image_bytes",
-                     "max_image_pixels"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"PreprocessConfig.{name} must be positive, got {getattr(self, name)}")
-        check_merge_kernel(self.merge_kernel, self.patch_limit_on_one_side)
-        check_normalization(self.image_mean, self.image_std)
-
-    @property
-    def merge_size(self) -> int:
-        """Side of the (square) merge kernel, the scalar `navit_resize_image` takes."""
-        return self.merge_kernel[0]
-
-
-def check_merge_kernel(merge_kernel: tuple[int, int], patch_limit_on_one_side: int) -> None:
-    rows, cols = merge_kernel
-    if rows != cols or rows < 1:
-        raise ValueError(f"PreprocessConfig.merge_kernel must be square and positive, got {merge_kernel}")
-    # Otherwise padding can push a side past the limit (vLLM asserts on it).
-    if patch_limit_on_one_side % rows:
-        raise ValueError(
-            f"PreprocessConfig.patch_limit_on_one_side ({patch_limit_on_one_side}) must be a multiple "
-            f"of the merge kernel side ({rows})"
-        )
-
-
-def check_normalization(mean: tuple[float, ...], std: tuple[float, ...]) -> None:
-    if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
-        raise ValueError(f"PreprocessConfig.image_mean/image_std must be 3 values, std > 0; got {mean}, {std}")
-
-
-DEFAULT_CONFIG = PreprocessConfig()
 
 
 @dataclass(frozen=True, eq=False)

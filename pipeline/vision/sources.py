@@ -1,4 +1,5 @@
-"""Where image bytes come from: `data:` URLs, and remote URLs fetched under a `RemotePolicy`.
+"""Where image bytes come from: `data:` URLs, and remote URLs fetched under a `RemotePolicy`
+(pipeline/vision/remote_policy.py).
 
 Remote fetching is off unless hosts are allow-listed. Every hop (the URL and each redirect) is
 checked for scheme, host allow-list, and the addresses its host resolves to: loopback, private,
@@ -32,92 +33,17 @@ from moonserve.pipeline.vision.errors import (
     IMAGE_URL_FORBIDDEN,
     ImageError,
 )
+from moonserve.pipeline.vision.remote_policy import (
+    IPAddress,
+    RemotePolicy,
+    address_category,
+    embedded_ipv4,
+    normalize_host,
+)
 
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 REMOTE_SCHEMES = ("http", "https")
 REDIRECT_STATUSES = (301, 302, 303, 307, 308)
 READ_CHUNK_BYTES = 64 * 1024
-# IPv6 prefixes that carry an IPv4 address in their low 32 bits (NAT64 well-known prefix).
-_NAT64 = ipaddress.ip_network("64:ff9b::/96")
-
-
-@dataclass(frozen=True)
-class RemotePolicy:
-    """Which remote image URLs may be fetched, and the limits of one fetch.
-
-    `allowed_hosts` holds exact host names or IP literals, or `*.example.com` for any subdomain of
-    example.com; empty means remote URLs are disabled. `allowed_networks` holds CIDRs (e.g.
-    `10.1.2.0/24`) whose addresses may be fetched even though they are not public.
-    """
-
-    allowed_hosts: tuple[str, ...] = ()
-    allowed_networks: tuple[str, ...] = ()
-    # Largest body accepted; enforced while streaming (keep at most PreprocessConfig.max_image_bytes).
-    max_bytes: int = 20 * 1024 * 1024
-    connect_timeout_s: float = 5.0
-    # Longest wait for the next chunk of the body.
-    read_timeout_s: float = 10.0
-    # Whole fetch, all redirects included: bounds a server that trickles bytes.
-    total_timeout_s: float = 30.0
-    max_redirects: int = 3
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "allowed_hosts", tuple(normalize_host(h) for h in self.allowed_hosts))
-        for cidr in self.allowed_networks:
-            try:
-                ipaddress.ip_network(cidr, strict=False)
-            except ValueError:
-                raise ValueError(f"RemotePolicy.allowed_networks: {cidr!r} is not an IP network") from None
-        for name in ("max_bytes", "connect_timeout_s", "read_timeout_s", "total_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"RemotePolicy.{name} must be positive, got {getattr(self, name)}")
-        if self.max_redirects < 0:
-            raise ValueError(f"RemotePolicy.max_redirects must be >= 0, got {self.max_redirects}")
-
-    def host_allowed(self, host: str) -> bool:
-        """Whether a normalized host matches the allow-list."""
-        return any(host == entry or (entry.startswith("*.") and host.endswith(entry[1:]))
-                   for entry in self.allowed_hosts)
-
-    def address_allowed(self, address: IPAddress) -> bool:
-        """Public addresses, and any address inside an allow-listed network."""
-        candidates = [address, *filter(None, [embedded_ipv4(address)])]
-        networks = [ipaddress.ip_network(cidr, strict=False) for cidr in self.allowed_networks]
-        if any(candidate in network for candidate in candidates for network in networks
-               if candidate.version == network.version):
-            return True
-        return all(address_category(candidate) is None for candidate in candidates)
-
-
-def normalize_host(host: str) -> str:
-    """Lower-case, no trailing dot; IP literals in their canonical form."""
-    host = host.strip().lower().rstrip(".").removeprefix("[").removesuffix("]")
-    try:
-        return str(ipaddress.ip_address(host))
-    except ValueError:
-        return host
-
-
-def embedded_ipv4(address: IPAddress) -> ipaddress.IPv4Address | None:
-    """The IPv4 address an IPv6 address stands for (mapped, 6to4, Teredo client, NAT64), if any."""
-    if address.version == 4:
-        return None
-    if address.ipv4_mapped or address.sixtofour:
-        return address.ipv4_mapped or address.sixtofour
-    if address.teredo:
-        return address.teredo[1]
-    if address in _NAT64:
-        return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
-    return None
-
-
-def address_category(address: IPAddress) -> str | None:
-    """Why an address is refused ('loopback', 'private', ...), or None for a public address."""
-    checks = (("loopback", address.is_loopback), ("link-local", address.is_link_local),
-              ("unspecified", address.is_unspecified), ("multicast", address.is_multicast),
-              ("private", address.is_private), ("reserved", address.is_reserved),
-              ("non-public", not address.is_global))
-    return next((name for name, refused in checks if refused), None)
 
 
 def parse_data_url(url: str, max_bytes: int) -> bytes:
@@ -256,7 +182,8 @@ def parse_url(url: str) -> URL:
         raise ImageError("image URL is not a valid URL", IMAGE_URL_FORBIDDEN) from None
 
 
-async def fetch_hops(url: URL, policy: RemotePolicy, session: aiohttp.ClientSession) -> bytes:
+async def fetch_hops(url: URL, policy: RemotePolicy, session: aiohttp.ClientSession,
+                     max_bytes: int) -> bytes:
     """Follow up to max_redirects redirects by hand, vetting and pinning every hop."""
     for _ in range(policy.max_redirects + 1):
         target = await vet(url, policy)
@@ -264,27 +191,31 @@ async def fetch_hops(url: URL, policy: RemotePolicy, session: aiohttp.ClientSess
             if response.status not in REDIRECT_STATUSES:
                 if response.status != 200:
                     raise ImageError(f"image URL answered HTTP {response.status}", IMAGE_FETCH_FAILED)
-                return await read_capped(response, policy.max_bytes)
+                return await read_capped(response, max_bytes)
             # Relative to the URL as written, not the pinned one (its host is an address).
             url = target.url.join(redirect_location(response))
     raise ImageError(f"image URL redirected more than {policy.max_redirects} times", IMAGE_FETCH_FAILED)
 
 
-async def fetch_remote(url: str, policy: RemotePolicy, session: aiohttp.ClientSession) -> bytes:
+async def fetch_remote(url: str, policy: RemotePolicy, session: aiohttp.ClientSession,
+                       max_bytes: int) -> bytes:
     """GET a remote image under `policy`; returns the body bytes or raises ImageError.
 
-    `session` is the caller's (one per replica); give it `cookie_jar=aiohttp.DummyCookieJar()` so
-    that no cookie from one user's fetch is sent on another's.
+    A body over `max_bytes` is refused while streaming (the preprocessor's `max_image_bytes`, the
+    same cap as `parse_data_url`'s). `session` is the caller's (one per replica); give it
+    `cookie_jar=aiohttp.DummyCookieJar()` so that no cookie from one user's fetch is sent on
+    another's.
 
         async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
             data = await fetch_remote("https://images.example.com/cat.png",
-                                      RemotePolicy(allowed_hosts=("images.example.com",)), session)
+                                      RemotePolicy(allowed_hosts=("images.example.com",)), session,
+                                      max_bytes=20 * 1024 * 1024)
     """
     if not policy.allowed_hosts:
         raise ImageError("remote image URLs are disabled; send a data: URL", IMAGE_URL_DISABLED)
     try:
         async with asyncio.timeout(policy.total_timeout_s):
-            return await fetch_hops(parse_url(url), policy, session)
+            return await fetch_hops(parse_url(url), policy, session, max_bytes)
     except TimeoutError:
         raise ImageError(
             f"image URL timed out (limits: connect {policy.connect_timeout_s:g} s, read "

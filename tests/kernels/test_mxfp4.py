@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import doctest
-import json
 import re
 
 import pytest
 import torch
 
-from moonserve.kernels.checks import relative_rms, run_interpreted
+from moonserve.kernels.checks import relative_rms
 from moonserve.kernels.mxfp4 import naive
 from moonserve.kernels.mxfp4.naive import dequantize, matmul, quantize
 
@@ -169,9 +168,7 @@ def test_naive_matmul_is_x_times_dequantized_transpose():
     assert matmul(x.bfloat16(), blocks, scales).dtype == torch.bfloat16
 
 
-# The Triton cases run in a child process started with TRITON_INTERPRET=1: the variable must be set
-# before triton is first imported (triton.language's own @jit helpers, tl.zeros among them, are
-# decorated then), which this process cannot promise once anything here (vLLM) has imported triton.
+# The Triton cases run in a TRITON_INTERPRET=1 child (conftest.py: `triton_results`).
 # Only float32: the interpreter's bf16 tl.dot is wrong; gpu_check.py covers bf16 on a GPU.
 TRITON_DEQUANTIZE_CASES = [((781, 1824), "float32"), ((3, 5, 96), "bfloat16")]
 TRITON_MATMUL_SHAPES = [(63, 781, 1824), (1, 33, 96)]
@@ -214,12 +211,6 @@ def run_triton_cases() -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def triton_results() -> dict:
-    pytest.importorskip("triton", reason="triton is not installed; the Triton fast path cannot be tested")
-    return run_interpreted(__file__)
-
-
 def test_triton_kernels_run_in_the_interpreter(triton_results):
     assert triton_results["interpreted"]
 
@@ -246,7 +237,3 @@ def test_triton_wrappers_reject_what_naive_rejects():
         mxfp4_triton.matmul(torch.randn(3, 32), blocks, scales)
     with pytest.raises(ValueError, match="out must be"):
         mxfp4_triton.matmul(torch.randn(3, 64), blocks, scales, out=torch.empty(4, 3))
-
-
-if __name__ == "__main__":
-    print(json.dumps(run_triton_cases()))

@@ -223,7 +223,7 @@ def test_not_strict_tolerates_missing_and_unexpected_names():
         load_weights(Tiny(), broken(lambda sd: sd.pop("proj.weight_scales")), strict=False)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm device (the Triton path)")
+@pytest.mark.gpu  # the Triton path; tests/conftest.py skips it without a device
 def test_gpu_forward_matches_cpu():
     layer = packed_layer(781, 1824, bias=True)
     x = torch.randn(5, 13, 1824, generator=torch.Generator().manual_seed(5))

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import doctest
-import json
 
 import pytest
 import torch
 
-from moonserve.kernels.checks import relative_rms, run_interpreted
+from moonserve.kernels.checks import relative_rms
 from moonserve.kernels.patchify import naive
 from moonserve.kernels.patchify.naive import patchify
 
@@ -81,11 +80,11 @@ def test_bad_inputs_name_the_shape(pixels, grid_hw, match):
         patchify(pixels, grid_hw, KIMI_MEAN, KIMI_STD)
 
 
-# As in tests/test_mxfp4.py, the Triton cases run in a child process started with TRITON_INTERPRET=1
-# (it must be set before triton is first imported). Shapes: odd sides, a 1-pixel image, an extreme
-# aspect ratio (NaViT's 1x100000 -> 1x7167), and an image exactly filling its grid. Only float32:
-# the interpreter's float32 -> bf16 cast truncates instead of rounding to nearest even (measured:
-# relative RMS 2.5e-3 against torch's cast); gpu_check.py covers bf16 on a GPU.
+# The Triton cases run in a TRITON_INTERPRET=1 child (conftest.py: `triton_results`). Shapes: odd
+# sides, a 1-pixel image, an extreme aspect ratio (NaViT's 1x100000 -> 1x7167), and an image
+# exactly filling its grid. Only float32: the interpreter's float32 -> bf16 cast truncates instead
+# of rounding to nearest even (measured: relative RMS 2.5e-3 against torch's cast); gpu_check.py
+# covers bf16 on a GPU.
 TRITON_CASES = [
     ((1823, 781), (132, 56), "float32"),
     ((1, 1), (2, 2), "float32"),
@@ -120,12 +119,6 @@ def run_triton_cases() -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def triton_results() -> dict:
-    pytest.importorskip("triton", reason="triton is not installed; the Triton fast path cannot be tested")
-    return run_interpreted(__file__)
-
-
 def test_triton_kernel_runs_in_the_interpreter(triton_results):
     assert triton_results["interpreted"]
 
@@ -146,7 +139,3 @@ def test_triton_wrapper_rejects_what_naive_rejects():
     with pytest.raises(ValueError, match="out must be"):
         patchify_triton.patchify(torch.zeros(4, 4, 3, dtype=torch.uint8), (2, 2), KIMI_MEAN, KIMI_STD,
                                  out=torch.empty(4, 3, 14, 13))
-
-
-if __name__ == "__main__":
-    print(json.dumps(run_triton_cases()))

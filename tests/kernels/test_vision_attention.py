@@ -4,12 +4,11 @@ against it, and the Triton kernel (interpreter) against it."""
 from __future__ import annotations
 
 import doctest
-import json
 
 import pytest
 import torch
 
-from moonserve.kernels.checks import relative_rms, run_interpreted
+from moonserve.kernels.checks import relative_rms
 from moonserve.kernels.vision_attention import naive, sdpa, select_backend, varlen_attention
 from moonserve.kernels.vision_attention.naive import cu_seqlens_from_grid_thw, rope_2d_cos_sin
 
@@ -97,8 +96,8 @@ def test_dispatcher_uses_the_torch_path_on_cpu():
     assert select_backend(torch.device("cpu"), "naive") == "naive"
 
 
-# The Triton cases run in a child started with TRITON_INTERPRET=1 (it must be set before triton is
-# first imported), in float32 only: the interpreter's bf16 tl.dot is wrong; gpu_check.py covers bf16.
+# The Triton cases run in a TRITON_INTERPRET=1 child (conftest.py: `triton_results`), in float32
+# only: the interpreter's bf16 tl.dot is wrong; gpu_check.py covers bf16.
 # (grids, heads, head_dim): the production head_dim; the embedded encoder's 64; 40, which pads to 64.
 TRITON_CASES = [(GRIDS, 2, HEAD_DIM), ([[1, 4, 4], [1, 2, 2], [1, 6, 4]], 2, 64), ([[1, 3, 5], [1, 1, 2]], 1, 40)]
 
@@ -123,12 +122,6 @@ def run_triton_cases() -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def triton_results() -> dict:
-    pytest.importorskip("triton", reason="triton is not installed; the Triton fast path cannot be tested")
-    return run_interpreted(__file__)
-
-
 def test_triton_kernel_runs_in_the_interpreter(triton_results):
     assert triton_results["interpreted"]
 
@@ -148,7 +141,3 @@ def test_triton_wrapper_rejects_what_naive_rejects():
         vision_triton.varlen_attention(q, k[:10], v, cu_seqlens, cos, sin)
     with pytest.raises(ValueError, match="out must be"):
         vision_triton.varlen_attention(q, k, v, cu_seqlens, cos, sin, out=torch.empty(3, 2, 32))
-
-
-if __name__ == "__main__":
-    print(json.dumps(run_triton_cases()))

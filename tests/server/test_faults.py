@@ -18,7 +18,8 @@ import httpx
 import psutil
 import pytest
 
-from tests.conftest import MODEL, wait_gone
+from tests.conftest import MODEL
+from tests.server.conftest import wait_gone
 
 pytestmark = pytest.mark.destructive
 
@@ -107,7 +108,7 @@ def test_killed_language_model_replica_ends_streams_and_recovers(server):
 
 
 def image_request(base_url: str, seed: int) -> httpx.Response:
-    from tests.test_multimodal import data_url, image_chat, png
+    from tests.server.test_multimodal import data_url, image_chat, png
 
     body = {"model": MODEL, "messages": image_chat(data_url(png((56 + seed % 50, 56), (seed % 256, 0, 0)))),
             "max_tokens": 2}
@@ -163,8 +164,8 @@ def test_killed_draft_service_costs_speculation_not_tokens(server):
     from concurrent.futures import ThreadPoolExecutor
 
     from moonserve.pipeline.bench.corpus import copy_prompts
-    from tests.test_metrics import scrape
-    from tests.test_speculative_server import draft_handle, spec_counters
+    from tests.server.test_metrics import scrape
+    from tests.server.test_speculative_server import draft_handle, spec_counters
 
     body = {"model": MODEL, "messages": [{"role": "user", "content": copy_prompts(1, seed=9)[0]}],
             "max_tokens": 160, "ignore_eos": True, "temperature": 0}

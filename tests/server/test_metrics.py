@@ -7,7 +7,8 @@ import urllib.request
 
 
 from moonserve.pipeline.metrics import METRICS
-from tests.conftest import METRICS_PORT, MODEL
+from tests.conftest import MODEL
+from tests.server.conftest import METRICS_PORT
 
 
 
@@ -25,7 +26,7 @@ def scrape() -> dict[str, float]:
     return samples
 
 
-# Counts faults: tests/test_faults.py checks it after killing the DraftService.
+# Counts faults: tests/server/test_faults.py checks it after killing the DraftService.
 FAULT_METRICS = {"moonserve_draft_fallbacks"}
 
 
@@ -41,7 +42,7 @@ def expected_samples() -> dict[str, str]:
 
 
 def test_metrics_are_exported_with_values_after_requests(server, client):
-    from tests.test_multimodal import data_url, image_chat, png
+    from tests.server.test_multimodal import data_url, image_chat, png
 
     for stream in (False, True):
         r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],

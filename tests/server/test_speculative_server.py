@@ -51,7 +51,7 @@ def spec_counters(server) -> tuple[int, int]:
 
 
 def image_messages() -> list[list[dict]]:
-    from tests.test_multimodal import data_url, image_chat, png
+    from tests.server.test_multimodal import data_url, image_chat, png
 
     return [image_chat(data_url(png((70, 98), (200, 30, 30)))),
             image_chat(data_url(png((128, 64), (10, 90, 200))))]

@@ -23,18 +23,20 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import moonserve.kernels.mxfp4.format
 import moonserve.pipeline.capacity.checkpoint
 import moonserve.pipeline.capacity.kimi_k3_layout
+import moonserve.pipeline.models.weights
 from moonserve.kernels.mxfp4.naive import quantize
 from moonserve.pipeline.capacity.checkpoint import (
-    INDEX_NAME,
     check_checkpoint,
     format_report,
-    read_safetensors_header,
     report_to_dict,
 )
 from moonserve.pipeline.capacity.kimi_k3_layout import KimiCheckpointConfig, moe_intermediate_fraction
-from moonserve.pipeline.capacity.plan import HARDWARE, MODELS, plan, with_checkpoint
+from moonserve.pipeline.capacity.plan import plan, with_checkpoint
+from moonserve.pipeline.capacity.registry import HARDWARE, MODELS
+from moonserve.pipeline.models.weights import INDEX_FILE, read_safetensors_header
 from tests.conftest import REPO
 
 TP = 8
@@ -168,7 +170,7 @@ def write_checkpoint(root: Path, tensors: dict[str, torch.Tensor], num_shards: i
         part = {n: tensors[n].contiguous() for n in names[i::num_shards]}
         save_file(part, str(root / shard))
         weight_map |= dict.fromkeys(part, shard)
-    (root / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (root / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     if config is not None:
         (root / "config.json").write_text(json.dumps(config))
     return root
@@ -188,7 +190,7 @@ def only_problem(report, kind: str) -> str:
     return "\n".join(p.message for p in report.problems)
 
 
-def moonserve(*args: str) -> subprocess.CompletedProcess:
+def run_moonserve(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "moonserve.pipeline.app.cli", *args], capture_output=True,
                           text=True, timeout=120, cwd=REPO, check=False)
 
@@ -261,7 +263,7 @@ def test_json_report_round_trips(tiny):
 def test_deleted_shard(tiny):
     (tiny / "model-00002-of-00003.safetensors").unlink()
     message = only_problem(check_checkpoint(tiny), "missing_shard")
-    assert "model-00002-of-00003.safetensors: missing" in message and INDEX_NAME in message
+    assert "model-00002-of-00003.safetensors: missing" in message and INDEX_FILE in message
 
 
 def test_truncated_file(tiny):
@@ -319,9 +321,9 @@ def test_blocks_without_scales(tmp_path):
 
 
 def test_missing_index(tiny):
-    (tiny / INDEX_NAME).unlink()
+    (tiny / INDEX_FILE).unlink()
     message = only_problem(check_checkpoint(tiny), "missing_index")
-    assert "3 .safetensors files" in message and INDEX_NAME in message
+    assert "3 .safetensors files" in message and INDEX_FILE in message
 
 
 def test_mismatched_shape(tmp_path):
@@ -352,9 +354,9 @@ def test_gpt_oss_block_view_under_compressed_tensors_names(tmp_path):
 
 
 def test_index_lists_a_tensor_its_shard_lacks(tiny):
-    index = json.loads((tiny / INDEX_NAME).read_text())
+    index = json.loads((tiny / INDEX_FILE).read_text())
     index["weight_map"]["language_model.model.extra.weight"] = "model-00001-of-00003.safetensors"
-    (tiny / INDEX_NAME).write_text(json.dumps(index))
+    (tiny / INDEX_FILE).write_text(json.dumps(index))
     message = only_problem(check_checkpoint(tiny), "index_mismatch")
     assert "model-00001-of-00003.safetensors" in message and "extra.weight" in message
 
@@ -462,7 +464,7 @@ def test_plan_refuses_measurements_at_another_tp(tiny):
 
 
 def test_plan_refuses_a_broken_checkpoint(tiny):
-    (tiny / INDEX_NAME).unlink()
+    (tiny / INDEX_FILE).unlink()
     with pytest.raises(ValueError, match="check-checkpoint"):
         with_checkpoint(MODELS["kimi-k3.1-pro"], check_checkpoint(tiny))
 
@@ -471,37 +473,39 @@ def test_plan_refuses_a_broken_checkpoint(tiny):
 
 
 def test_cli_ok_json_and_exit_codes(tiny, tmp_path):
-    ok = moonserve("check-checkpoint", str(tiny), "--json", "--tp", "8")
+    ok = run_moonserve("check-checkpoint", str(tiny), "--json", "--tp", "8")
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["bytes_per_rank"] == pytest.approx(169_672)
     (tiny / "model-00002-of-00003.safetensors").unlink()
-    broken = moonserve("check-checkpoint", str(tiny))
+    broken = run_moonserve("check-checkpoint", str(tiny))
     assert broken.returncode == 1 and "missing_shard" in broken.stdout
     assert "result: 1 problem(s)" in broken.stdout
-    missing = moonserve("check-checkpoint", str(tmp_path / "nowhere"))
+    missing = run_moonserve("check-checkpoint", str(tmp_path / "nowhere"))
     assert missing.returncode == 2 and "no such file or directory" in missing.stderr
-    assert moonserve("check-checkpoint").returncode == 2
+    assert run_moonserve("check-checkpoint").returncode == 2
 
 
 def test_cli_plan_with_checkpoint(tiny):
-    out = moonserve("plan", "--checkpoint", str(tiny), "--json")
+    out = run_moonserve("plan", "--checkpoint", str(tiny), "--json")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["weight_bytes_per_gpu"] == pytest.approx(169_672)
     assert result["brief_checked"] is False and result["brief_violations"] == []
-    (tiny / INDEX_NAME).unlink()
-    broken = moonserve("plan", "--checkpoint", str(tiny))
+    (tiny / INDEX_FILE).unlink()
+    broken = run_moonserve("plan", "--checkpoint", str(tiny))
     assert broken.returncode == 1 and "missing_index" in broken.stderr
 
 
 def test_cli_help_describes_the_options():
-    out = moonserve("check-checkpoint", "--help")
+    out = run_moonserve("check-checkpoint", "--help")
     assert out.returncode == 0
     for text in ("PATH", "--tp", "--json", "Exit status: 0", "1 problems found", "2 usage error"):
         assert text in out.stdout
-    assert "--checkpoint" in moonserve("plan", "--help").stdout
+    assert "--checkpoint" in run_moonserve("plan", "--help").stdout
 
 
 def test_module_examples_run():
     assert doctest.testmod(moonserve.pipeline.capacity.checkpoint).failed == 0
     assert doctest.testmod(moonserve.pipeline.capacity.kimi_k3_layout).failed == 0
+    assert doctest.testmod(moonserve.pipeline.models.weights).failed == 0
+    assert doctest.testmod(moonserve.kernels.mxfp4.format).failed == 0  # the MXFP4 pair rule

@@ -154,11 +154,58 @@ def test_lanes_off_needs_no_priority_scheduling():
 
 
 def test_image_preprocessor_defaults_are_the_preprocessing_defaults():
-    from moonserve.deployments.preprocess import preprocess_config
     from moonserve.pipeline.config import ImagePreprocessorConfig
     from moonserve.pipeline.vision.preprocess import PreprocessConfig
 
-    assert preprocess_config(ImagePreprocessorConfig()) == PreprocessConfig()
+    assert ImagePreprocessorConfig().preprocess_config() == PreprocessConfig()
+    custom = ImagePreprocessorConfig(patch_size=16, max_image_pixels=1000)
+    assert custom.preprocess_config() == PreprocessConfig(patch_size=16, max_image_pixels=1000)
+
+
+def test_inner_dataclasses_are_the_yaml_blocks():
+    """`vision.preprocessor.remote` and `draft.sessions` are validated as the dataclasses the
+    replicas run with (one definition of each field, default and bound)."""
+    from moonserve.pipeline.speculative.sessions import SessionLimits
+    from moonserve.pipeline.vision.sources import RemotePolicy
+
+    cfg = load_app_config(LOCAL_CONFIG)
+    assert cfg.draft.sessions == SessionLimits()
+    assert cfg.vision.preprocessor.remote == RemotePolicy()
+    remote = AppConfig.model_validate({**local_args(), "vision": {"preprocessor": {"remote": {
+        "allowed_hosts": ["Images.Example.com."]}}}}).vision.preprocessor.remote
+    assert remote.allowed_hosts == ("images.example.com",)
+
+
+@pytest.mark.parametrize("path, key", [
+    (("draft", "sessions", "max_session"), "draft.sessions.max_session"),
+    (("vision", "preprocessor", "remote", "allowed_host"), "vision.preprocessor.remote.allowed_host"),
+])
+def test_unknown_keys_of_dataclass_blocks_fail_naming_the_key(path, key):
+    args = local_args()
+    node = args
+    for part in path[:-1]:
+        node = node[part]
+    node[path[-1]] = 1
+    with pytest.raises(ValidationError) as err:
+        AppConfig.model_validate(args)
+    assert key in str(err.value).replace("\n  ", ".").replace("\n", ".")
+    assert "Unexpected keyword argument" in str(err.value)
+
+
+@pytest.mark.parametrize("block, needle", [
+    ({"draft": {"sessions": {"max_sessions": 0}}}, "draft.sessions.max_sessions"),
+    ({"vision": {"preprocessor": {"remote": {"connect_timeout_s": 0}}}},
+     "vision.preprocessor.remote.connect_timeout_s"),
+    ({"vision": {"preprocessor": {"remote": {"allowed_networks": ["ten"]}}}},
+     "'ten' is not an IP network"),
+    ({"vision": {"preprocessor": {"merge_kernel": [2, 3]}}},
+     "PreprocessConfig.merge_kernel must be square and positive, got (2, 3)"),
+    ({"vision": {"preprocessor": {"image_std": [0.5, 0, 0.5]}}}, "image_mean/image_std"),
+])
+def test_bad_inner_values_fail_at_load(block, needle):
+    with pytest.raises(ValidationError) as err:
+        AppConfig.model_validate({**local_args(), **block})
+    assert needle in str(err.value).replace("\n  ", ".").replace("\n", ".")
 
 
 def test_draft_modes_become_vllm_speculative_configs():

@@ -18,7 +18,10 @@ from PIL import Image
 
 from moonserve.pipeline.vision import errors
 from moonserve.pipeline.vision.errors import ImageError
+from moonserve.pipeline.vision.preprocess_config import DEFAULT_CONFIG
 from moonserve.pipeline.vision.sources import RemotePolicy, fetch_remote, parse_data_url
+
+MAX_BYTES = DEFAULT_CONFIG.max_image_bytes  # the preprocessor passes its max_image_bytes
 
 
 def png_bytes() -> bytes:
@@ -101,7 +104,7 @@ class Server:
 
 
 @pytest.fixture
-async def server():
+async def image_host():
     log = ServerLog()
     runner = web.AppRunner(build_app(log), shutdown_timeout=0.1)
     await runner.setup()
@@ -121,34 +124,35 @@ async def session():
 LOCAL = RemotePolicy(allowed_hosts=("127.0.0.1",), allowed_networks=("127.0.0.1/32",))
 
 
-async def refusal(url: str, policy: RemotePolicy, session: aiohttp.ClientSession) -> ImageError:
+async def refusal(url: str, policy: RemotePolicy, session: aiohttp.ClientSession,
+                  max_bytes: int = MAX_BYTES) -> ImageError:
     with pytest.raises(ImageError) as caught:
-        await fetch_remote(url, policy, session)
+        await fetch_remote(url, policy, session, max_bytes)
     return caught.value
 
 
-async def test_remote_urls_are_disabled_by_default(server, session):
-    error = await refusal(f"{server.base}/image.png", RemotePolicy(), session)
+async def test_remote_urls_are_disabled_by_default(image_host, session):
+    error = await refusal(f"{image_host.base}/image.png", RemotePolicy(), session)
     assert error.reason == "remote image URLs are disabled; send a data: URL"
     assert error.code == errors.IMAGE_URL_DISABLED
-    assert server.log.paths == []
+    assert image_host.log.paths == []
 
 
-async def test_allow_listed_loopback_network_fetches_the_image(server, session):
-    assert await fetch_remote(f"{server.base}/image.png", LOCAL, session) == PNG
-    assert server.log.hosts == [f"127.0.0.1:{server.port}"]
+async def test_allow_listed_loopback_network_fetches_the_image(image_host, session):
+    assert await fetch_remote(f"{image_host.base}/image.png", LOCAL, session, MAX_BYTES) == PNG
+    assert image_host.log.hosts == [f"127.0.0.1:{image_host.port}"]
 
 
-async def test_loopback_is_refused_unless_its_network_is_allow_listed(server, session):
+async def test_loopback_is_refused_unless_its_network_is_allow_listed(image_host, session):
     policy = RemotePolicy(allowed_hosts=("127.0.0.1",))
-    error = await refusal(f"{server.base}/image.png", policy, session)
+    error = await refusal(f"{image_host.base}/image.png", policy, session)
     assert error.reason == "image URL host '127.0.0.1' resolves to a loopback address; refused"
     assert error.code == errors.IMAGE_URL_FORBIDDEN
-    assert server.log.paths == []  # refused before connecting
+    assert image_host.log.paths == []  # refused before connecting
 
 
-async def test_host_outside_the_allow_list_is_refused(server, session):
-    error = await refusal(f"http://localhost:{server.port}/image.png", LOCAL, session)
+async def test_host_outside_the_allow_list_is_refused(image_host, session):
+    error = await refusal(f"http://localhost:{image_host.port}/image.png", LOCAL, session)
     assert error.reason == "image URL host 'localhost' is not in the allowed hosts"
 
 
@@ -162,66 +166,62 @@ async def test_host_outside_the_allow_list_is_refused(server, session):
         ("file:///etc/passwd", "scheme file: is not allowed"),
     ],
 )
-async def test_redirect_to_a_forbidden_target_is_refused(server, session, target, reason):
+async def test_redirect_to_a_forbidden_target_is_refused(image_host, session, target, reason):
     # The forbidden hosts are allow-listed by name, so only the address check stands in the way.
     policy = RemotePolicy(allowed_hosts=("127.0.0.1", "169.254.169.254", "10.0.0.1", "::ffff:10.0.0.1"),
                           allowed_networks=("127.0.0.1/32",))
-    error = await refusal(f"{server.base}/redirect?to={target}", policy, session)
+    error = await refusal(f"{image_host.base}/redirect?to={target}", policy, session)
     assert reason in error.reason
-    assert server.log.paths == ["/redirect"]
+    assert image_host.log.paths == ["/redirect"]
 
 
-async def test_relative_redirect_is_followed(server, session):
-    assert await fetch_remote(f"{server.base}/redirect?to=/image.png", LOCAL, session) == PNG
-    assert server.log.paths == ["/redirect", "/image.png"]
+async def test_relative_redirect_is_followed(image_host, session):
+    assert await fetch_remote(f"{image_host.base}/redirect?to=/image.png", LOCAL, session, MAX_BYTES) == PNG
+    assert image_host.log.paths == ["/redirect", "/image.png"]
 
 
-async def test_redirects_are_capped(server, session):
-    error = await refusal(f"{server.base}/loop", LOCAL, session)
+async def test_redirects_are_capped(image_host, session):
+    error = await refusal(f"{image_host.base}/loop", LOCAL, session)
     assert error.reason == "image URL redirected more than 3 times"
-    assert len(server.log.paths) == 4
+    assert len(image_host.log.paths) == 4
 
 
-async def test_streamed_body_is_cut_off_at_the_byte_cap(server, session):
-    policy = RemotePolicy(allowed_hosts=LOCAL.allowed_hosts, allowed_networks=LOCAL.allowed_networks,
-                          max_bytes=200_000)
-    error = await refusal(f"{server.base}/stream", policy, session)
+async def test_streamed_body_is_cut_off_at_the_byte_cap(image_host, session):
+    error = await refusal(f"{image_host.base}/stream", LOCAL, session, max_bytes=200_000)
     assert error.reason == "image at URL is over the 200,000-byte limit"
     assert error.code == errors.IMAGE_TOO_LARGE
     await asyncio.sleep(0.2)  # let the server notice the dropped connection
-    assert not server.log.stream_finished  # the client hung up instead of draining 64 MiB
+    assert not image_host.log.stream_finished  # the client hung up instead of draining 64 MiB
 
 
-async def test_declared_content_length_over_the_cap_is_refused_unread(server, session):
-    policy = RemotePolicy(allowed_hosts=LOCAL.allowed_hosts, allowed_networks=LOCAL.allowed_networks,
-                          max_bytes=100_000)
-    error = await refusal(f"{server.base}/declared-huge", policy, session)
+async def test_declared_content_length_over_the_cap_is_refused_unread(image_host, session):
+    error = await refusal(f"{image_host.base}/declared-huge", LOCAL, session, max_bytes=100_000)
     assert error.reason == "image at URL is over the 100,000-byte limit"
 
 
-async def test_stalled_body_hits_the_read_timeout(server, session):
+async def test_stalled_body_hits_the_read_timeout(image_host, session):
     policy = RemotePolicy(allowed_hosts=LOCAL.allowed_hosts, allowed_networks=LOCAL.allowed_networks,
                           read_timeout_s=0.3)
     loop = asyncio.get_running_loop()
     started = loop.time()
-    error = await refusal(f"{server.base}/slow", policy, session)
+    error = await refusal(f"{image_host.base}/slow", policy, session)
     assert error.reason.startswith("image URL timed out (limits: connect 5 s, read 0.3 s, total 30 s)")
     assert loop.time() - started < 5
 
 
-async def test_trickling_body_hits_the_total_timeout(server, session):
+async def test_trickling_body_hits_the_total_timeout(image_host, session):
     # A byte every 50 ms never trips the 10 s read timeout; the 0.5 s total bounds it.
     policy = RemotePolicy(allowed_hosts=LOCAL.allowed_hosts, allowed_networks=LOCAL.allowed_networks,
                           total_timeout_s=0.5)
     loop = asyncio.get_running_loop()
     started = loop.time()
-    error = await refusal(f"{server.base}/trickle", policy, session)
+    error = await refusal(f"{image_host.base}/trickle", policy, session)
     assert "total 0.5 s" in error.reason
     assert loop.time() - started < 5
 
 
-async def test_http_error_status_is_reported(server, session):
-    error = await refusal(f"{server.base}/missing", LOCAL, session)
+async def test_http_error_status_is_reported(image_host, session):
+    error = await refusal(f"{image_host.base}/missing", LOCAL, session)
     assert error.reason == "image URL answered HTTP 404"
     assert error.code == errors.IMAGE_FETCH_FAILED
 
@@ -238,9 +238,9 @@ async def test_http_error_status_is_reported(server, session):
         ("http:///image.png", "image URL has no host"),
     ],
 )
-async def test_urls_that_are_not_plain_http_are_refused(server, session, url, reason):
+async def test_urls_that_are_not_plain_http_are_refused(image_host, session, url, reason):
     assert (await refusal(url, LOCAL, session)).reason == reason
-    assert server.log.paths == []
+    assert image_host.log.paths == []
 
 
 @pytest.fixture
@@ -259,12 +259,13 @@ async def fake_dns(monkeypatch):
     return answers
 
 
-async def test_request_goes_to_the_vetted_address_with_the_name_as_host(server, session, fake_dns):
+async def test_request_goes_to_the_vetted_address_with_the_name_as_host(image_host, session, fake_dns):
     # The private answer is dropped; the request is pinned to 127.0.0.1 and carries the name.
     fake_dns["images.test"] = ["10.0.0.1", "127.0.0.1"]
     policy = RemotePolicy(allowed_hosts=("*.test",), allowed_networks=("127.0.0.0/8",), connect_timeout_s=1)
-    assert await fetch_remote(f"http://images.test:{server.port}/image.png", policy, session) == PNG
-    assert server.log.hosts == [f"images.test:{server.port}"]
+    url = f"http://images.test:{image_host.port}/image.png"
+    assert await fetch_remote(url, policy, session, MAX_BYTES) == PNG
+    assert image_host.log.hosts == [f"images.test:{image_host.port}"]
 
 
 def self_signed_certificate(directory, name: str) -> tuple[str, str]:
@@ -313,17 +314,18 @@ async def test_https_is_pinned_and_still_verifies_the_certificate_name(tls_serve
     fake_dns["images.test"] = ["127.0.0.1"]
     fake_dns["other.test"] = ["127.0.0.1"]
     policy = RemotePolicy(allowed_hosts=("images.test", "other.test"), allowed_networks=("127.0.0.1/32",))
-    assert await fetch_remote(f"https://images.test:{server.port}/image.png", policy, client) == PNG
+    url = f"https://images.test:{server.port}/image.png"
+    assert await fetch_remote(url, policy, client, MAX_BYTES) == PNG
     assert server.log.hosts == [f"images.test:{server.port}"]
     # Same address, another name: the certificate (for images.test) must not be accepted for it.
     error = await refusal(f"https://other.test:{server.port}/image.png", policy, client)
     assert error.reason == "image URL host 'other.test' has an invalid TLS certificate"
 
 
-async def test_name_resolving_only_to_private_addresses_is_refused(server, session, fake_dns):
+async def test_name_resolving_only_to_private_addresses_is_refused(image_host, session, fake_dns):
     fake_dns["rebind.test"] = ["192.168.1.10"]
     policy = RemotePolicy(allowed_hosts=("rebind.test",))
-    error = await refusal(f"http://rebind.test:{server.port}/image.png", policy, session)
+    error = await refusal(f"http://rebind.test:{image_host.port}/image.png", policy, session)
     assert error.reason == "image URL host 'rebind.test' resolves to a private address; refused"
 
 
@@ -362,11 +364,16 @@ def test_host_allow_list_matching():
     assert not policy.host_allowed("example.com")
 
 
-def test_bad_policy_names_the_field():
-    with pytest.raises(ValueError, match="allowed_networks: 'ten' is not an IP network"):
-        RemotePolicy(allowed_networks=("ten",))
-    with pytest.raises(ValueError, match="max_bytes must be positive"):
-        RemotePolicy(max_bytes=0)
+@pytest.mark.parametrize("options, match", [
+    ({"allowed_networks": ("ten",)}, r"allowed_networks\n.*'ten' is not an IP network"),
+    ({"connect_timeout_s": 0}, r"connect_timeout_s\n.*greater than 0"),
+    ({"max_redirects": -1}, r"max_redirects\n.*greater than or equal to 0"),
+    # The byte cap is the preprocessor's max_image_bytes, given to each fetch.
+    ({"max_bytes": 1}, r"max_bytes\n.*Unexpected keyword argument"),
+])
+def test_bad_policy_names_the_field(options, match):
+    with pytest.raises(ValueError, match=match):
+        RemotePolicy(**options)
 
 
 def data_url(payload: bytes, media_type: str = "image/png") -> str:

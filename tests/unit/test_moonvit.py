@@ -20,6 +20,7 @@ from torch import nn
 
 import moonserve.pipeline.prepare.vision_encoder
 import moonserve.pipeline.models.moonvit
+import moonserve.pipeline.models.moonvit_checkpoint
 from moonserve.kernels.checks import relative_rms
 from moonserve.kernels.mxfp4 import MXFP4Linear, dequantize, quantize, quantize_linear_weights
 from moonserve.pipeline.prepare.vision_encoder import (
@@ -29,13 +30,12 @@ from moonserve.pipeline.prepare.vision_encoder import (
     write_embedded_encoder,
 )
 from moonserve.pipeline.models.moonvit import (
-    CheckpointMismatchError,
     MoonViT,
     MoonViTConfig,
-    load_moonvit,
     merged_token_counts,
     parameter_count,
 )
+from moonserve.pipeline.models.moonvit_checkpoint import CheckpointMismatchError, load_moonvit
 
 REPO = Path(__file__).resolve().parent.parent
 # Small but with every production trait: qkv width != hidden, several heads, a non-square position
@@ -60,6 +60,7 @@ def pixel_values_for(grids: list[list[int]], seed: int = 1) -> torch.Tensor:
 
 def test_docstring_examples_run():
     assert doctest.testmod(moonserve.pipeline.models.moonvit).failed == 0
+    assert doctest.testmod(moonserve.pipeline.models.moonvit_checkpoint).failed == 0
     assert doctest.testmod(moonserve.pipeline.prepare.vision_encoder).failed == 0
 
 

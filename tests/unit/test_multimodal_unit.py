@@ -58,3 +58,12 @@ def test_cache_is_lru_and_bounded_by_bytes():
     cache.put("huge", np.zeros(1000, np.float32))  # larger than the cache: not kept
     assert cache.get("huge") is None and cache.bytes == 800
     assert (cache.hits, cache.misses) == (2, 2)
+
+
+def test_cache_replaces_a_key_in_place_and_drops_it_for_a_value_too_large():
+    cache = EmbeddingCache(max_bytes=1000)
+    cache.put("a", np.zeros(100, np.float32))  # 400 bytes
+    cache.put("a", np.zeros(200, np.float32))  # 800 bytes: replaces, no double count
+    assert cache.bytes == 800 and cache.stats()["entries"] == 1
+    cache.put("a", np.zeros(1000, np.float32))  # too large: not kept, and the old value is gone
+    assert cache.get("a") is None and cache.bytes == 0

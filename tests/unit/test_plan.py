@@ -2,27 +2,29 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import doctest
 import json
+from pathlib import Path
 
 import pytest
 
 import moonserve.pipeline.capacity.plan
+import moonserve.pipeline.capacity.registry
+import moonserve.pipeline.capacity.report
 from moonserve.pipeline.capacity.plan import (
-    HARDWARE,
-    MODELS,
     SOURCE_PREFIXES,
     Assumption,
     HardwareSpec,
     ModelSpec,
     ParamGroup,
-    check_against_brief,
     expected_distinct_experts,
-    format_plan,
     plan,
-    plan_to_dict,
+    scalar_field_names,
 )
+from moonserve.pipeline.capacity.registry import HARDWARE, MODELS, check_against_brief
+from moonserve.pipeline.capacity.report import format_plan, plan_to_dict
 
 K3 = MODELS["kimi-k3.1-pro"]
 MI355X = HARDWARE["mi355x"]
@@ -255,14 +257,27 @@ def test_assumption_names_are_unique():
 
 def test_k3_spec_values_come_from_their_assumptions():
     recorded = {a.name: a.value for a in K3.assumptions}
-    for f in dataclasses.fields(ModelSpec):
-        if f.name not in ("name", "param_groups", "assumptions"):
-            assert getattr(K3, f.name) == recorded[f.name], f.name
+    for name in scalar_field_names():
+        assert getattr(K3, name) == recorded[name], name
     for g in K3.param_groups:
         assert g.num_params == recorded[f"{g.name}_params"], g.name
     hw = {a.name: a.value for a in MI355X.assumptions}
     assert (MI355X.gpus_per_node, MI355X.hbm_bytes_per_gpu, MI355X.hbm_bandwidth_bytes_per_s) == (
         hw["gpus_per_node"], hw["hbm_bytes_per_gpu"], hw["hbm_bandwidth_bytes_per_s"])
+
+
+def test_nominal_weight_inputs_name_k3_assumptions():
+    recorded = {a.name for a in K3.assumptions}
+    assert set(K3.nominal_weight_inputs) <= recorded
+    assert {"hidden_size", "routed_experts_params", "total_params"} <= set(K3.nominal_weight_inputs)
+
+
+def test_generic_planner_imports_no_registry_or_report():
+    # plan.py is model-agnostic: Kimi K3 facts reach it only as ModelSpec data.
+    tree = ast.parse(Path(moonserve.pipeline.capacity.plan.__file__).read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not imported & {"moonserve.pipeline.capacity.registry",
+                           "moonserve.pipeline.capacity.report"}
 
 
 def test_format_plan_lists_every_assumption_with_its_source():
@@ -273,8 +288,11 @@ def test_format_plan_lists_every_assumption_with_its_source():
     assert "198.97" in text and "16,992" in text
 
 
-def test_module_docstring_example_runs():
-    assert doctest.testmod(moonserve.pipeline.capacity.plan).failed == 0
+@pytest.mark.parametrize("module", [moonserve.pipeline.capacity.plan,
+                                    moonserve.pipeline.capacity.registry,
+                                    moonserve.pipeline.capacity.report])
+def test_module_docstring_example_runs(module):
+    assert doctest.testmod(module).failed == 0
 
 
 def test_plan_takes_parallelism_from_a_config_file():

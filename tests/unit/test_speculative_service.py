@@ -1,24 +1,25 @@
-"""The draft path without an engine: `DraftCore` steps, the wire format, and the proposer's client
-against the real StepServer and EndpointResolver over real sockets.
+"""The draft path without an engine: `DraftCore` steps, the wire schemas, and the proposer's client
+against the real StepServer and EndpointResolver over real ZeroMQ sockets.
 
 Only Serve's handle is replaced (`Endpoints`: the resolver's one call, where the service is); the
 step server answers from a real `DraftCore`, after a chosen delay. What is under test is the
 deadline, skip and reconnect behaviour. The Serve path itself is tested with the running app in
-tests/test_speculative_server.py and tests/test_faults.py.
+tests/server/test_speculative_server.py and tests/server/test_faults.py.
 """
 
 from __future__ import annotations
 
-import socket
 import time
 
+import msgspec
 import pytest
+import zmq
 
-from moonserve.pipeline.speculative.endpoint import EndpointResolver, StepServer
-from moonserve.pipeline.speculative.ngram import NgramDrafter
 from moonserve.pipeline.engine.proposer import DraftClient, ProposerStats
+from moonserve.pipeline.speculative.endpoint import PLAIN_USERNAME, EndpointResolver, StepServer
+from moonserve.pipeline.speculative.ngram import NgramDrafter
 from moonserve.pipeline.speculative.service import DraftCore
-from moonserve.pipeline.speculative.wire import FrameReader, send_frame
+from moonserve.pipeline.speculative.wire import Row, StepReply, StepRequest
 
 COPY = [7, 8, 9, 10, 11, 12, 13, 7, 8, 9]
 
@@ -86,18 +87,26 @@ def test_release_and_switching_drafters_drop_sessions():
         c.set_drafter("nope")
 
 
-def test_frames_survive_partial_reads():
-    a, b = socket.socketpair()
-    with a, b:
-        send_frame(a, {"seq": 1, "rows": [["r", 0, list(range(5000))]]})
-        send_frame(a, {"seq": 2})
-        reader = FrameReader(b)
-        assert reader.read(1.0)["rows"][0][2][-1] == 4999
-        assert reader.read(1.0) == {"seq": 2}
-        assert reader.read(0.05) is None
-        a.close()
-        with pytest.raises(ConnectionError):
-            reader.read(1.0)
+def test_step_request_keeps_its_wire_format_and_rejects_a_bad_one():
+    request = StepRequest(seq=4, k=3, rows=[Row("a", 0, COPY)], release=["b"])
+    payload = msgspec.msgpack.encode(request)
+    # What DraftCore.step reads (and what the socket carried before the schema).
+    assert msgspec.msgpack.decode(payload) == {
+        "seq": 4, "k": 3, "rows": [["a", 0, COPY]], "release": ["b"],
+        "stats": {"calls": 0, "skipped": 0, "missed": 0, "rtt_s": []}}
+    decoded = msgspec.msgpack.decode(payload, type=StepRequest)
+    assert decoded == request and msgspec.to_builtins(decoded)["rows"] == [["a", 0, COPY]]
+    bad = msgspec.msgpack.encode({"seq": 1, "k": 3, "rows": [["a", "zero", [1]]]})
+    with pytest.raises(msgspec.ValidationError, match=r"\$\.rows\[0\]\[1\]"):
+        msgspec.msgpack.decode(bad, type=StepRequest)
+
+
+def test_draft_core_reply_fits_the_reply_schema():
+    c = core()
+    c.deadline_ms = 40
+    reply, _ = c.step(msgspec.to_builtins(StepRequest(seq=2, k=3, rows=[Row("a", 0, COPY)])))
+    assert msgspec.convert(reply, StepReply) == StepReply(
+        seq=2, drafts=[[10, 11, 12]], resend_from=[-1], deadline_ms=40.0)
 
 
 class Endpoints:
@@ -126,10 +135,14 @@ class CoreHandler:
         self.core = core()
         self.delay_s = delay_s
         self.received = 0
+        self.fail_next = False
 
     def __call__(self, message):
         self.received += 1
         time.sleep(self.delay_s)
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("drafter blew up")
         return self.core.step(message)[0], self.core.prefetch
 
 
@@ -148,36 +161,60 @@ def servers():
         obj.close()
 
 
+@pytest.fixture
+def clients():
+    made = []
+
+    def make(resolver_path, deadline_s):
+        stats = ProposerStats()
+        made.append(DraftClient(resolver_path, deadline_s=deadline_s, stats=stats))
+        return made[-1], stats
+
+    yield make
+    for client in made:
+        client.close()
+
+
 def message(rows):
-    return {"k": 3, "rows": rows, "release": [], "stats": {}}
+    return StepRequest(k=3, rows=[Row(*row) for row in rows])
 
 
-def connected_client(step_server, servers, deadline_s=2.0):
+def connected_client(step_server, servers, clients, deadline_s=2.0):
     resolver = EndpointResolver(Endpoints(step_server), timeout_s=1.0)
     servers(resolver)
-    stats = ProposerStats()
-    client = DraftClient(resolver.path, deadline_s=deadline_s, stats=stats)
+    client, stats = clients(resolver.path, deadline_s)
     deadline = time.monotonic() + 5
-    while client.sock is None:  # resolving and connecting take a few steps, none waits
+    while not client.connected:  # resolving and the handshake take a few steps, none waits
         client.call(message([]))
         assert time.monotonic() < deadline, "client never connected"
         time.sleep(0.01)
     return client, stats, resolver
 
 
-def test_client_gets_drafts_over_the_direct_connection(servers):
+def test_client_gets_drafts_over_the_direct_connection(servers, clients):
     handler = CoreHandler()
     (step_server,) = servers(StepServer(handler, host="127.0.0.1"))
-    client, stats, _ = connected_client(step_server, servers)
+    client, stats, _ = connected_client(step_server, servers, clients)
     reply = client.call(message([["a", 0, COPY]]))
-    assert reply["drafts"] == [[10, 11, 12]]
+    assert reply.drafts == [[10, 11, 12]] and reply.resend_from == [-1]
     assert stats.calls >= 1 and len(stats.rtt_s) == stats.calls
 
 
-def test_a_slow_service_costs_one_deadline_then_steps_skip_until_it_answers(servers):
+def test_a_failed_step_gets_an_error_reply_and_the_server_goes_on(servers, clients):
+    handler = CoreHandler()
+    (step_server,) = servers(StepServer(handler, host="127.0.0.1"))
+    client, _, _ = connected_client(step_server, servers, clients)
+    handler.fail_next = True
+    reply = client.call(message([["a", 0, COPY]]))
+    assert reply.seq == client.seq and reply.drafts == []
+    assert reply.error == "RuntimeError: drafter blew up"
+    assert client.call(message([["a", 0, COPY]])).drafts == [[10, 11, 12]]
+
+
+def test_a_slow_service_costs_one_deadline_then_steps_skip_until_it_answers(servers, clients):
     handler = CoreHandler(delay_s=0.5)
     (step_server,) = servers(StepServer(handler, host="127.0.0.1"))
-    client, stats, _ = connected_client(step_server, servers, deadline_s=0.05)
+    client, stats, _ = connected_client(step_server, servers, clients, deadline_s=0.05)
     assert client.call(message([["a", 0, COPY]])) is None
     assert stats.missed == 1
     # The first call is still pending: this step sends nothing and waits for nothing.
@@ -187,27 +224,42 @@ def test_a_slow_service_costs_one_deadline_then_steps_skip_until_it_answers(serv
     time.sleep(0.6)  # the late reply arrives; it is dropped, the next call goes through
     handler.delay_s = 0.0
     reply = client.call(message([["a", 0, COPY]]))
-    assert reply is not None and reply["seq"] == client.seq and handler.received == 2
+    assert reply is not None and reply.seq == client.seq and handler.received == 2
 
 
 def test_a_connection_without_the_token_is_refused(servers):
     handler = CoreHandler()
     (step_server,) = servers(StepServer(handler, host="127.0.0.1"))
-    host, port = step_server.endpoint()["endpoint"].split(":")
-    with socket.create_connection((host, int(port)), timeout=2) as sock:
-        send_frame(sock, {"token": "guess"})
-        send_frame(sock, {"seq": 1, **message([["a", 0, COPY]])})
-        with pytest.raises(ConnectionError):  # closed without an answer
-            FrameReader(sock).read(2.0)
+    with zmq.Context() as context, context.socket(zmq.DEALER) as sock:
+        sock.linger = 0
+        sock.plain_username, sock.plain_password = PLAIN_USERNAME.encode(), b"guess"
+        sock.connect(f"tcp://{step_server.endpoint()['endpoint']}")
+        sock.send(msgspec.msgpack.encode(StepRequest(seq=1, k=3, rows=[Row("a", 0, COPY)])))
+        assert sock.poll(500) == 0  # refused in the handshake: no answer
     assert handler.received == 0
 
 
-def test_a_replaced_service_is_found_again_through_the_resolver(servers, monkeypatch):
+def test_a_refused_client_reports_the_address_stale(servers, clients, monkeypatch):
+    monkeypatch.setattr("moonserve.pipeline.engine.proposer.RECONNECT_INTERVAL_S", 0.05)
+    (step_server,) = servers(StepServer(CoreHandler(), host="127.0.0.1"))
+    resolver = EndpointResolver(Endpoints(step_server), timeout_s=1.0)
+    servers(resolver)
+    resolver.resolve(None).token = "guess"  # the resolver hands out a wrong token once
+    client, stats = clients(resolver.path, 0.05)
+    deadline = time.monotonic() + 5
+    while resolver.handle.calls < 2:  # refused, so the client asks for the address again
+        assert client.call(message([["a", 0, COPY]])) is None
+        assert time.monotonic() < deadline, "the refused address was never reported stale"
+        time.sleep(0.01)
+    assert stats.calls == 0 and client.stale == step_server.endpoint()["endpoint"]
+
+
+def test_a_replaced_service_is_found_again_through_the_resolver(servers, clients, monkeypatch):
     monkeypatch.setattr("moonserve.pipeline.engine.proposer.RECONNECT_INTERVAL_S", 0.05)
     first = StepServer(CoreHandler(), host="127.0.0.1")
     servers(first)
-    client, _, resolver = connected_client(first, servers)
-    assert client.call(message([["a", 0, COPY]]))["drafts"] == [[10, 11, 12]]
+    client, _, resolver = connected_client(first, servers, clients)
+    assert client.call(message([["a", 0, COPY]])).drafts == [[10, 11, 12]]
     first.close()  # the replica dies: Serve starts another one elsewhere
     replacement = StepServer(CoreHandler(), host="127.0.0.1")
     servers(replacement)
@@ -216,16 +268,15 @@ def test_a_replaced_service_is_found_again_through_the_resolver(servers, monkeyp
     while (reply := client.call(message([["a", 0, COPY]]))) is None:
         assert time.monotonic() < deadline, "the client did not find the new replica"
         time.sleep(0.02)
-    assert reply["drafts"] == [[10, 11, 12]]  # a new session, from position 0
+    assert reply.drafts == [[10, 11, 12]]  # a new session, from position 0
     assert resolver.handle.calls == 2  # asked Serve again only because the old address was stale
 
 
-def test_no_service_means_no_drafts_and_no_waiting(servers, monkeypatch):
+def test_no_service_means_no_drafts_and_no_waiting(servers, clients, monkeypatch):
     monkeypatch.setattr("moonserve.pipeline.engine.proposer.RECONNECT_INTERVAL_S", 0.05)
     resolver = EndpointResolver(Endpoints(None), timeout_s=0.1)
     servers(resolver)
-    stats = ProposerStats()
-    client = DraftClient(resolver.path, deadline_s=0.05, stats=stats)
+    client, stats = clients(resolver.path, 0.05)
     for _ in range(20):
         assert client.call(message([["a", 0, COPY]])) is None
         time.sleep(0.02)
@@ -233,13 +284,13 @@ def test_no_service_means_no_drafts_and_no_waiting(servers, monkeypatch):
     assert resolver.handle.calls >= 2  # it keeps asking, a little later each time
 
 
-def test_the_service_can_raise_the_deadline_even_with_late_replies(servers):
+def test_the_service_can_raise_the_deadline_even_with_late_replies(servers, clients):
     handler = CoreHandler(delay_s=0.2)
     handler.core.deadline_ms = 1000.0
     (step_server,) = servers(StepServer(handler, host="127.0.0.1"))
-    client, _, _ = connected_client(step_server, servers, deadline_s=0.05)
+    client, _, _ = connected_client(step_server, servers, clients, deadline_s=0.05)
     assert client.call(message([["a", 0, COPY]])) is None  # missed: 200 ms > 50 ms
     time.sleep(0.3)
     client.call(message([["a", 0, COPY]]))  # reads the late reply, adopts its deadline
     assert client.deadline_s == 1.0
-    assert client.call(message([["a", 0, COPY]]))["drafts"] == [[10, 11, 12]]
+    assert client.call(message([["a", 0, COPY]])).drafts == [[10, 11, 12]]

@@ -1,0 +1,530 @@
+"""The Router's HTTP behaviour without an engine: errors, lanes, streaming, image fan-in failures,
+client disconnects.
+
+The real `Router` class (no Serve) with the embedded model's real tokenizer serves its real FastAPI
+app through uvicorn on 127.0.0.1, and httpx talks to it over TCP, so a client that hangs up is a
+real disconnect. Only the other deployments are fakes, because no engine may start here:
+`FakeLanguageModel` (scripted deltas; records its requests and, like the real one, which requests
+it aborted) and the image fakes, each behind `FakeDeploymentHandle`, which has the parts of a Serve
+handle the Router uses (`.method.remote()`, `.options(stream=True)`, `.cancel()`,
+`_to_object_ref()`), runs each call as its own task like a replica, and raises what Ray raises:
+a replica's exception as `RayTaskError(<its type>)`, a dead replica's as `ActorDiedError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+from ray.exceptions import ActorDiedError, RayError, RayTaskError
+
+from moonserve.deployments.router import Router
+from moonserve.pipeline.api.protocol import GenerateRequest, GenerationDelta, ImageInfo, ModelInfo
+from moonserve.pipeline.config import LaneLimits, LanesConfig, RouterConfig, VisionConfig
+from moonserve.pipeline.vision.errors import ImageError
+from tests.conftest import MODEL
+
+pytestmark = pytest.mark.timeout(120)
+
+USER = [{"role": "user", "content": "hi"}]
+DELTAS = [GenerationDelta("Hello", 1, 9), GenerationDelta(" there", 1, 9),
+          GenerationDelta("!", 1, 9, finish_reason="stop")]
+IMAGE_TOKENS = 4  # per image, from FakeImagePreprocessor
+PNG_URL = "data:image/png;base64,iVBORw0KGgo="
+
+
+def chat(**fields) -> dict:
+    return {"model": MODEL, "messages": USER, **fields}
+
+
+def image_chat(*urls: str) -> dict:
+    parts = [{"type": "text", "text": "what is this?"}]
+    parts += [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+    return {"model": MODEL, "messages": [{"role": "user", "content": parts}]}
+
+
+class FakeLanguageModel:
+    """The LanguageModel methods the Router calls, with `deltas` instead of a vLLM engine.
+
+    `generate` yields `deltas`, raising `fail_at_delta`'s exception at that index, and waits on
+    `gate` before each delta once `hold_after` deltas are out. Like the real replica, a generate
+    that ends before its last delta (cancelled, failed) records its request_id in `aborted`.
+    """
+
+    def __init__(self, deltas: list[GenerationDelta] = DELTAS):
+        self.info = ModelInfo(name=MODEL, max_model_len=2048, vocab_size=49152)
+        self.deltas = deltas
+        self.fail_at_delta: tuple[int, BaseException] | None = None
+        self.hold_after: int | None = None
+        self.gate = asyncio.Event()
+        self.health_error: BaseException | None = None
+        self.requests: list[GenerateRequest] = []
+        self.image_embeds: list[tuple] = []
+        self.started = asyncio.Event()
+        self.aborted: list[str] = []
+
+    async def generate(self, request: GenerateRequest,
+                       *image_embeds) -> AsyncIterator[GenerationDelta]:
+        self.requests.append(request)
+        self.image_embeds.append(image_embeds)
+        self.started.set()
+        finished = False
+        try:
+            for k, delta in enumerate(self.deltas):
+                await self.wait_turn(k)
+                yield delta
+            finished = True
+        finally:
+            if not finished:
+                self.aborted.append(request.request_id)
+
+    async def wait_turn(self, k: int) -> None:
+        if self.fail_at_delta is not None and self.fail_at_delta[0] == k:
+            raise self.fail_at_delta[1]
+        if self.hold_after is not None and k >= self.hold_after:
+            await self.gate.wait()
+        await asyncio.sleep(0)
+
+    async def model_info(self) -> ModelInfo:
+        return self.info
+
+    async def check_health(self) -> None:
+        if self.health_error is not None:
+            raise self.health_error
+
+
+class FakeImagePreprocessor:
+    """ImagePreprocessor without decoding: every image is a 2x4 patch grid (4 image tokens);
+    `failures[url]` is raised for that url."""
+
+    def __init__(self):
+        self.failures: dict[str, BaseException] = {}
+
+    async def preprocess(self, url: str) -> ImageInfo:
+        if url in self.failures:
+            raise self.failures[url]
+        return ImageInfo(content_hash=url, grid_thw=(1, 2, 4), num_image_tokens=IMAGE_TOKENS,
+                         image_size=(28, 56), pixel_values=None)
+
+    async def ready(self) -> bool:
+        return True
+
+
+class FakeVisionEncoder:
+    """VisionEncoder without a model: [num_image_tokens, 8] of the image's index; or `failure`."""
+
+    def __init__(self):
+        self.failure: BaseException | None = None
+        self.encoded = 0
+
+    async def encode(self, info: ImageInfo) -> np.ndarray:
+        if self.failure is not None:
+            raise self.failure
+        self.encoded += 1
+        return np.full((info.num_image_tokens, 8), self.encoded, dtype=np.float32)
+
+    async def stats(self) -> dict[str, int]:
+        return {"encoded": self.encoded}
+
+
+def as_ray_raises(exc: BaseException) -> BaseException:
+    """What the caller of a replica sees: Ray's own failures as they are, the replica's exception
+    wrapped in a RayTaskError that is also an instance of its type (with `.cause`)."""
+    if isinstance(exc, RayError):
+        return exc
+    return RayTaskError("replica method", "Traceback (fake replica)", exc).as_instanceof_cause()
+
+
+class FakeObjectRef:
+    def __init__(self, task: asyncio.Task):
+        self.task = task
+
+    def __await__(self):
+        return self.result().__await__()
+
+    async def result(self):
+        try:
+            return await asyncio.shield(self.task)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raise as_ray_raises(exc) from None
+
+
+def resolve_refs(args: tuple) -> list:
+    """Ray resolves ObjectRefs passed at the top level before the replica method runs."""
+    return [arg.task.result() if isinstance(arg, FakeObjectRef) else arg for arg in args]
+
+
+class FakeResponse:
+    """A DeploymentResponse: the call runs as its own task from `.remote()` on."""
+
+    def __init__(self, coroutine):
+        self.ref = FakeObjectRef(asyncio.ensure_future(coroutine))
+        self.cancelled = False
+
+    def __await__(self):
+        return self.ref.__await__()
+
+    async def _to_object_ref(self) -> FakeObjectRef:
+        return self.ref
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.ref.task.cancel()
+
+
+class FakeResponseGenerator:
+    """A streaming DeploymentResponseGenerator: the replica's generator runs in its own task and
+    hands its items over a queue; `cancel()` cancels that task (CancelledError in the replica)."""
+
+    def __init__(self, generator: AsyncIterator):
+        self.items: asyncio.Queue = asyncio.Queue()
+        self.task = asyncio.ensure_future(self.run(generator))
+        self.cancelled = False
+
+    async def run(self, generator: AsyncIterator) -> None:
+        try:
+            async for item in generator:
+                await self.items.put(("item", item))
+            await self.items.put(("end", None))
+        except Exception as exc:
+            await self.items.put(("error", as_ray_raises(exc)))
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        kind, value = await self.items.get()
+        if kind == "end":
+            raise StopAsyncIteration
+        if kind == "error":
+            raise value
+        return value
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.task.cancel()
+
+
+class FakeDeploymentHandle:
+    """The parts of a Serve DeploymentHandle the Router uses, over a plain replica object."""
+
+    def __init__(self, replica, stream: bool = False):
+        self.replica = replica
+        self.stream = stream
+        self.calls: list[FakeResponse | FakeResponseGenerator] = []
+
+    def options(self, stream: bool = False) -> FakeDeploymentHandle:
+        handle = FakeDeploymentHandle(self.replica, stream)
+        handle.calls = self.calls
+        return handle
+
+    def __getattr__(self, name: str):
+        method = getattr(self.replica, name)
+        return FakeMethod(self, method)
+
+
+class FakeMethod:
+    def __init__(self, handle: FakeDeploymentHandle, method):
+        self.handle = handle
+        self.method = method
+
+    def remote(self, *args):
+        args = resolve_refs(args)
+        call = FakeResponseGenerator(self.method(*args)) if self.handle.stream \
+            else FakeResponse(self.method(*args))
+        self.handle.calls.append(call)
+        return call
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    from moonserve.pipeline.prepare.language_model import prepare_language_model
+
+    return str(prepare_language_model(progress=False))
+
+
+@pytest.fixture
+def lm() -> FakeLanguageModel:
+    return FakeLanguageModel()
+
+
+@pytest.fixture
+def lm_handle(lm) -> FakeDeploymentHandle:
+    return FakeDeploymentHandle(lm)
+
+
+@pytest.fixture
+def preprocessor() -> FakeImagePreprocessor:
+    return FakeImagePreprocessor()
+
+
+@pytest.fixture
+def encoder() -> FakeVisionEncoder:
+    return FakeVisionEncoder()
+
+
+@pytest.fixture
+def encoder_handle(encoder) -> FakeDeploymentHandle:
+    return FakeDeploymentHandle(encoder)
+
+
+@asynccontextmanager
+async def serving(router: Router) -> AsyncIterator[httpx.AsyncClient]:
+    """The router's app on a free port of 127.0.0.1, and an httpx client for it."""
+    config = uvicorn.Config(router.__serve_build_asgi_app__(), host="127.0.0.1", port=0,
+                            log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        assert not task.done(), "uvicorn did not start"
+        await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            yield client
+    finally:
+        server.should_exit = True
+        await task
+
+
+@pytest.fixture
+async def text_client(model_path, lm_handle) -> AsyncIterator[httpx.AsyncClient]:
+    """A text-only Router with the default config."""
+    async with serving(Router(RouterConfig(), lm_handle, model_path)) as client:
+        yield client
+
+
+@pytest.fixture
+async def image_client(model_path, lm_handle, preprocessor,
+                       encoder_handle) -> AsyncIterator[httpx.AsyncClient]:
+    router = Router(RouterConfig(), lm_handle, model_path, vision=VisionConfig(),
+                    preprocessor=FakeDeploymentHandle(preprocessor), encoder=encoder_handle)
+    async with serving(router) as client:
+        yield client
+
+
+def sse_events(body: str) -> list:
+    """`data:` payloads of an SSE body, JSON-decoded except the final `[DONE]`."""
+    payloads = [line.removeprefix("data: ") for line in body.split("\n\n") if line]
+    return [p if p == "[DONE]" else json.loads(p) for p in payloads]
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None, code: str | None) -> dict:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert (error["param"], error["code"]) == (param, code), error
+    return error
+
+
+async def wait_for(condition, what: str, timeout_s: float = 10) -> None:
+    try:
+        async with asyncio.timeout(timeout_s):
+            while not condition():
+                await asyncio.sleep(0.01)
+    except TimeoutError:
+        raise AssertionError(f"waited {timeout_s} s for {what}") from None
+
+
+@pytest.mark.parametrize("body, param, words", [
+    (chat(temperature=3), "temperature", "less than or equal to 2"),
+    (chat(frobnicate=1), "frobnicate", "Unrecognized request argument"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     "messages[0].content[0].text", "valid string"),
+    (chat(max_tokens=10**9), "max_tokens", "maximum context length"),
+    ({"messages": USER}, "model", "required"),
+])
+async def test_bad_requests_are_400_naming_the_field(text_client, lm, body, param, words):
+    r = await text_client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param
+    assert error["message"].startswith(param.split("[")[0]) or param in error["message"]
+    assert words in error["message"]
+    assert lm.requests == []  # refused before the LM
+
+
+async def test_malformed_json_and_oversized_bodies(text_client):
+    r = await text_client.post("/v1/chat/completions", content=b"{not json",
+                               headers={"content-type": "application/json"})
+    assert_error(r, 400, None, "invalid_json")
+    r = await text_client.post("/v1/chat/completions", content=b"x" * ((1 << 20) + 1))
+    error = assert_error(r, 413, None, "request_too_large")
+    assert str(1 << 20) in error["message"]
+
+    async def chunks():  # chunked: no Content-Length, so the bytes are counted as they arrive
+        for _ in range(17):
+            yield b"x" * (1 << 16)
+
+    r = await text_client.post("/v1/chat/completions", content=chunks())
+    assert_error(r, 413, None, "request_too_large")
+
+
+async def test_unknown_model_is_404_naming_the_served_one(text_client):
+    r = await text_client.post("/v1/chat/completions", json=chat(model="gpt-17"))
+    error = assert_error(r, 404, "model", "model_not_found")
+    assert "'gpt-17'" in error["message"] and f"'{MODEL}'" in error["message"]
+    r = await text_client.get("/v1/nowhere")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+async def test_models_lists_the_lm_model(text_client):
+    r = await text_client.get("/v1/models")
+    assert r.status_code == 200
+    assert [(m["id"], m["max_model_len"]) for m in r.json()["data"]] == [(MODEL, 2048)]
+
+
+async def test_completion_returns_the_lm_text_and_usage(text_client, lm):
+    r = await text_client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi",
+                                                          "max_tokens": 5, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["text"] == "Hello there!"
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == 3
+    (request,) = lm.requests
+    assert request.sampling.max_tokens == 5 and request.sampling.temperature == 0
+    assert request.priority == 0  # the interactive lane
+
+
+async def test_streaming_chat_is_sse_ending_in_done(text_client):
+    r = await text_client.post("/v1/chat/completions",
+                               json=chat(stream=True, stream_options={"include_usage": True}))
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/event-stream")
+    *chunks, usage, done = sse_events(r.text)
+    assert done == "[DONE]"
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == "Hello there!"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert usage["usage"]["completion_tokens"] == 3 and usage["choices"] == []
+
+
+async def test_lm_failure_mid_stream_is_an_error_event_then_done(text_client, lm):
+    lm.fail_at_delta = (2, RuntimeError("engine core died"))
+    r = await text_client.post("/v1/chat/completions", json=chat(stream=True))
+    assert r.status_code == 200  # headers went out with the first delta
+    *chunks, error, done = sse_events(r.text)
+    assert done == "[DONE]"
+    assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == "Hello there"
+    assert error["error"]["code"] == "generation_failed"
+    assert "RuntimeError" in error["error"]["message"]
+    assert lm.aborted == [lm.requests[0].request_id]
+
+
+@pytest.mark.parametrize("failure, status, code, retry_after", [
+    (RuntimeError("engine core died"), 500, "generation_failed", None),
+    (ActorDiedError(), 503, "replica_unavailable", "2"),
+])
+async def test_lm_failure_before_the_first_delta_is_an_http_status(text_client, lm, failure,
+                                                                   status, code, retry_after):
+    lm.fail_at_delta = (0, failure)
+    r = await text_client.post("/v1/chat/completions", json=chat(stream=True))
+    assert_error(r, status, None, code)
+    assert r.headers.get("retry-after") == retry_after
+
+
+async def test_full_lane_queue_is_429_with_retry_after(model_path, lm, lm_handle):
+    lanes = LanesConfig(interactive=LaneLimits(max_in_flight=1, max_queue=0), retry_after_s=7)
+    router = Router(RouterConfig(lanes=lanes), lm_handle, model_path)
+    lm.hold_after = 0  # the first request holds the interactive lane's only slot
+    async with serving(router) as client:
+        first = asyncio.create_task(client.post("/v1/chat/completions", json=chat()))
+        await asyncio.wait_for(lm.started.wait(), 10)
+        r = await client.post("/v1/chat/completions", json=chat())
+        error = assert_error(r, 429, None, "lane_full")
+        assert r.headers["retry-after"] == "7" and "interactive lane is full" in error["message"]
+        # The long_context lane is separate: a hinted request still gets through once freed.
+        lm.gate.set()
+        assert (await first).status_code == 200
+        r = await client.post("/v1/chat/completions", json=chat(),
+                              headers={"x-moonserve-lane": "long_context"})
+        assert r.status_code == 200, r.text
+    assert [request.priority for request in lm.requests] == [0, 10]
+    assert (await router.lane_stats())["interactive"] == {"queued": 0, "in_flight": 0,
+                                                         "admitted": 1}
+
+
+async def test_unknown_lane_hint_is_400_naming_the_header(text_client):
+    r = await text_client.post("/v1/chat/completions", json=chat(),
+                               headers={"x-moonserve-lane": "express"})
+    error = assert_error(r, 400, "x-moonserve-lane", None)
+    assert "'express'" in error["message"]
+
+
+async def test_client_disconnect_cancels_the_lm_stream(model_path, lm, lm_handle):
+    router = Router(RouterConfig(), lm_handle, model_path)
+    lm.hold_after = 1  # one delta, then the stream waits for tokens that never come
+    async with serving(router) as client:
+        async with client.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if '"Hello"' in line:
+                    break  # the client hangs up mid-stream
+        await wait_for(lambda: lm.aborted, "the LM generate to be cancelled")
+    (stream,) = [call for call in lm_handle.calls if isinstance(call, FakeResponseGenerator)]
+    assert stream.cancelled
+    assert lm.aborted == [lm.requests[0].request_id]
+    assert (await router.lane_stats())["interactive"]["in_flight"] == 0
+
+
+async def test_images_reach_the_lm_as_encoder_outputs(image_client, lm, encoder_handle):
+    r = await image_client.post("/v1/chat/completions", json=image_chat(PNG_URL, PNG_URL + "A"))
+    assert r.status_code == 200, r.text
+    (request,) = lm.requests
+    placeholder = request.image_placeholder_id
+    assert placeholder is not None
+    assert request.prompt_token_ids.count(placeholder) == 2 * IMAGE_TOKENS
+    (embeds,) = lm.image_embeds
+    assert [e.shape for e in embeds] == [(IMAGE_TOKENS, 8)] * 2
+    assert all(call.cancelled for call in encoder_handle.calls)  # released after the request
+
+
+@pytest.mark.parametrize("failure, status, param, code, words", [
+    (ImageError("truncated image file"), 400, "messages[0].content[2]", "invalid_image",
+     "messages[0].content[2]: truncated image file"),
+    (RuntimeError("out of memory"), 500, None, "image_failed",
+     "messages[0].content[2]: the image preprocessor failed (RuntimeError)"),
+    (ActorDiedError(), 503, None, "replica_unavailable", "image preprocessor is unavailable"),
+])
+async def test_preprocessor_failures_map_to_4xx_and_5xx(image_client, lm, preprocessor, failure,
+                                                        status, param, code, words):
+    preprocessor.failures["data:image/png;base64,bad"] = failure
+    r = await image_client.post("/v1/chat/completions",
+                                json=image_chat(PNG_URL, "data:image/png;base64,bad"))
+    error = assert_error(r, status, param, code)
+    assert words in error["message"]
+    assert lm.requests == []
+
+
+@pytest.mark.parametrize("failure, status, code, words", [
+    (RuntimeError("CUDA error"), 500, "image_failed", "image 0: the vision encoder failed"),
+    (ActorDiedError(), 503, "replica_unavailable", "vision encoder is unavailable"),
+])
+async def test_encoder_failures_map_to_5xx(image_client, lm, encoder, failure, status, code, words):
+    encoder.failure = failure
+    r = await image_client.post("/v1/chat/completions", json=image_chat(PNG_URL))
+    error = assert_error(r, status, None, code)
+    assert words in error["message"]
+    assert lm.requests == []
+
+
+async def test_image_parts_on_a_text_only_router_are_400(text_client):
+    r = await text_client.post("/v1/chat/completions", json=image_chat(PNG_URL))
+    error = assert_error(r, 400, "messages[0].content[1]", "images_not_supported")
+    assert "no vision deployments" in error["message"]
+
+
+async def test_health_reports_an_unhealthy_lm_as_503(text_client, lm):
+    assert (await text_client.get("/health")).json() == {"status": "ok"}
+    lm.health_error = RuntimeError("engine dead")
+    r = await text_client.get("/health")
+    assert r.status_code == 503 and r.headers["retry-after"] == "5"
+    assert r.json() == {"status": "unavailable", "reason": "RayTaskError(RuntimeError)"}
