@@ -1,10 +1,10 @@
 """DraftService deployment: per-request draft contexts and the drafters (`ngram`, `dspark`).
 
 The engine's proposer sends one message per engine step with the whole batch (format in
-`moonserve.pipeline.speculative.wire`) over a TCP connection to this replica's `StepServer`
-(`moonserve.pipeline.speculative.endpoint`; `endpoint()` tells the LM replica where it is). Each connection
-has its own thread, the sessions are behind one lock, and right after a step is answered the same
-thread prefetches the next step (`DraftCore.prefetch`), which overlaps with the target verifying
+`moonserve.pipeline.speculative.wire`) over a ZeroMQ connection to this replica's `StepServer`
+(`moonserve.pipeline.speculative.endpoint`; `endpoint()` tells the LM replica where it is). The step
+server answers on one thread, the sessions are behind one lock, and right after a step is answered
+the same thread prefetches the next step (`DraftCore.prefetch`), which overlaps with the target verifying
 this one. The replica's event loop only serves Serve calls. Idle sessions are evicted every few
 seconds. The proposer's own counters arrive with each step and are exported here.
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import statistics
 import threading
 from collections import deque
 
@@ -97,7 +98,7 @@ class DraftService:
         self.evictor: asyncio.Task | None = None
 
     def serve_step(self, message: dict):
-        """One step from a proposer connection (its own thread); prefetch runs after the reply."""
+        """One step from a proposer (on the step server's thread); prefetch runs after the reply."""
         stats = message.pop("stats", None) or {}
         self.recent_rtt_s.extend(stats.get("rtt_s", ()))
         self.metrics.proposer_stats(stats)
@@ -136,10 +137,10 @@ class DraftService:
 
     async def stats(self) -> dict:
         summary = await asyncio.to_thread(self._locked, self.core.summary)
-        rtt = sorted(self.recent_rtt_s)
-        if rtt:
-            summary |= {"call_ms_p50": 1000 * rtt[len(rtt) // 2],
-                        "call_ms_p99": 1000 * rtt[min(len(rtt) - 1, len(rtt) * 99 // 100)]}
+        rtt_ms = [1000 * s for s in self.recent_rtt_s]
+        if len(rtt_ms) >= 2:
+            cuts = statistics.quantiles(rtt_ms, n=100, method="inclusive")
+            summary |= {"call_ms_p50": cuts[49], "call_ms_p99": cuts[98]}
         return summary
 
     async def evict_forever(self) -> None:

@@ -29,13 +29,20 @@ def test_local_config_is_a_ray_serve_config_file():
     assert schema.applications[0].import_path == "moonserve.deployments.builder:build_app"
 
 
-@pytest.mark.parametrize("path,key", [
-    (("language_model", "engine", "dtyp"), "language_model.engine.dtyp"),
-    (("router", "max_body"), "router.max_body"),
-    (("language_model", "placment"), "language_model.placment"),
-    (("tokenizer",), "tokenizer"),
+EXTRA = "Extra inputs are not permitted"  # pydantic models
+UNEXPECTED = "Unexpected keyword argument"  # the pydantic dataclasses the inner code uses too
+
+
+@pytest.mark.parametrize("path, key, message", [
+    (("language_model", "engine", "dtyp"), "language_model.engine.dtyp", EXTRA),
+    (("router", "max_body"), "router.max_body", EXTRA),
+    (("language_model", "placment"), "language_model.placment", EXTRA),
+    (("tokenizer",), "tokenizer", EXTRA),
+    (("draft", "sessions", "max_session"), "draft.sessions.max_session", UNEXPECTED),
+    (("vision", "preprocessor", "remote", "allowed_host"), "vision.preprocessor.remote.allowed_host",
+     UNEXPECTED),
 ])
-def test_unknown_keys_fail_naming_the_key(path, key):
+def test_unknown_keys_fail_naming_the_key(path, key, message):
     args = local_args()
     node = args
     for part in path[:-1]:
@@ -44,7 +51,7 @@ def test_unknown_keys_fail_naming_the_key(path, key):
     with pytest.raises(ValidationError) as err:
         AppConfig.model_validate(args)
     assert key in str(err.value).replace("\n  ", ".").replace("\n", ".")
-    assert "Extra inputs are not permitted" in str(err.value)
+    assert message in str(err.value)
 
 
 def test_mistyped_values_fail_naming_the_key():
@@ -174,22 +181,6 @@ def test_inner_dataclasses_are_the_yaml_blocks():
     remote = AppConfig.model_validate({**local_args(), "vision": {"preprocessor": {"remote": {
         "allowed_hosts": ["Images.Example.com."]}}}}).vision.preprocessor.remote
     assert remote.allowed_hosts == ("images.example.com",)
-
-
-@pytest.mark.parametrize("path, key", [
-    (("draft", "sessions", "max_session"), "draft.sessions.max_session"),
-    (("vision", "preprocessor", "remote", "allowed_host"), "vision.preprocessor.remote.allowed_host"),
-])
-def test_unknown_keys_of_dataclass_blocks_fail_naming_the_key(path, key):
-    args = local_args()
-    node = args
-    for part in path[:-1]:
-        node = node[part]
-    node[path[-1]] = 1
-    with pytest.raises(ValidationError) as err:
-        AppConfig.model_validate(args)
-    assert key in str(err.value).replace("\n  ", ".").replace("\n", ".")
-    assert "Unexpected keyword argument" in str(err.value)
 
 
 @pytest.mark.parametrize("block, needle", [

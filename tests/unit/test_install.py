@@ -4,6 +4,7 @@ the project installs under one import root."""
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -49,8 +50,14 @@ def test_moonserve_is_the_only_import_root(tmp_path):
 def test_wheel_holds_only_the_moonserve_root(tmp_path):
     """What a non-editable install puts in site-packages: `moonserve/` and its dist-info."""
     repo = Path(__file__).resolve().parents[2]
+    source = tmp_path / "src"  # a copy, so the build leaves no build/ folder in the checkout
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(repo / name, source / name)
+    for folder in ("pipeline", "deployments", "kernels"):
+        shutil.copytree(repo / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
     result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                             "-w", str(tmp_path), str(repo)], capture_output=True, text=True, timeout=600)
+                             "-w", str(tmp_path), str(source)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     (wheel,) = tmp_path.glob("moonserve-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
