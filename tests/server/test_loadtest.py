@@ -8,7 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.conftest import REPO
+
 LOCUST = Path(sys.executable).with_name("locust")
 LOCUSTFILE = "loadtest/locustfile.py"
 

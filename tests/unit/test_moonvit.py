@@ -37,7 +37,7 @@ from moonserve.pipeline.models.moonvit import (
 )
 from moonserve.pipeline.models.moonvit_checkpoint import CheckpointMismatchError, load_moonvit
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # Small but with every production trait: qkv width != hidden, several heads, a non-square position
 # table (so h/w mix-ups show), no biases, rmsnorm, 2x2 merge, patchmergerv2.
 SMALL = MoonViTConfig(vt_hidden_size=64, vt_num_attention_heads=2, qkv_hidden_size=96, vt_intermediate_size=128,
