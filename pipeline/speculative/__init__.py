@@ -1,10 +1,11 @@
-"""Speculative decoding through the DraftService (README "Speculative decoding").
+"""Speculative decoding, the DraftService side (README "Speculative decoding").
 
-- `proposer`: `ServiceProposer`, vLLM's `custom_class` proposer, run in the engine's workers.
 - `endpoint`: the DraftService's step server and the LM replica's endpoint resolver.
-- `wire`: the step message format.
+- `wire`: the step message schemas (msgspec structs).
 - `service`: `DraftCore`, what the DraftService does with a step (sessions, prefetch).
 - `sessions`: `DraftSessions`, the bounded per-request context store.
 - `drafter`: the `Drafter` / `DrafterState` protocols; `ngram` and `dspark` implement them.
-- `acceptance`: offline acceptance of a drafter against target continuations.
+
+vLLM's side, `ServiceProposer`, is `moonserve.pipeline.engine.proposer`; the offline acceptance
+measurement is `moonserve.pipeline.bench.acceptance`.
 """

@@ -1,4 +1,5 @@
-"""The vision path: image sources and preprocessing (ImagePreprocessor), and the encoder side."""
+"""The image path's replica code: sources and preprocessing (ImagePreprocessor), the embedding
+cache (VisionEncoder); the MoonViT model is `moonserve.pipeline.models.moonvit`."""
 
 from moonserve.pipeline.vision.errors import ImageError
 
