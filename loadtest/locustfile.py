@@ -88,21 +88,30 @@ class StreamingChatUser(HttpUser):
                 response.failure(error)
 
     def read_stream(self, response, began: float) -> str | None:
-        last = None
+        """Report TTFT and ITL; a stream is complete once a choice has a finish_reason.
+
+        The first generated token may be end-of-sequence (an empty answer with finish_reason
+        "stop" is a valid completion), so TTFT is taken at the first chunk that carries content
+        or a finish_reason."""
+        last, finished = None, False
         for line in response.iter_lines():
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
                 continue
             event = json.loads(line[6:])
             if "error" in event:
                 return f"error event: {event['error'].get('message')}"
-            if not (event["choices"] and event["choices"][0]["delta"].get("content")):
+            if not event["choices"]:
+                continue
+            choice = event["choices"][0]
+            finished = finished or bool(choice.get("finish_reason"))
+            if not choice["delta"].get("content") and not (finished and last is None):
                 continue
             now = time.perf_counter()
             kind, since = ("ITL", last) if last is not None else ("TTFT", began)
             events.request.fire(request_type=kind, name=self.lane, response_time=1000 * (now - since),
                                 response_length=0, exception=None, context={})
             last = now
-        return None if last is not None else "stream ended without any token"
+        return None if finished else "stream ended without a finish_reason"
 
 
 def rejection(response) -> str:
