@@ -1,20 +1,27 @@
 """Capacity planner behind `moonserve plan`: weights, KV/state, concurrency and a decode roofline.
 
-Pure arithmetic over a `ModelSpec` and a `HardwareSpec`, for one node running one vLLM engine
-with tensor parallelism (TP) and optional decode context parallelism (DCP). Every number the
-product brief does not give is an `Assumption` with its source; `report.format_plan` prints them
-all. The models and hardware it plans for are data in `registry` (Kimi K3.1 Pro, MI355X); nothing
-here knows a particular model.
+Pure arithmetic over a `ModelSpec` (and an optional `DraftSpec`) and a `HardwareSpec`, for one
+node running one vLLM engine with tensor parallelism (TP) and optional decode context parallelism
+(DCP). It counts what vLLM 0.32 allocates for a hybrid MLA + KDA model: MLA latent pages with no
+sparse-indexer cache (vLLM's Kimi K3 builds its MLA layers with `indexer=None`), KDA state pages
+padded to the attention page and grouped as `kv_cache_utils` groups them (`hybrid_kv_layout`), a
+speculative draft's weights and its MLA KV layers, and the runtime reserve as separate terms.
+Every number is an `Assumption` with its source; `report.format_plan` prints them all. The models
+and hardware it plans for are data in `registry` (Kimi K3.1 Pro, its DSpark draft, MI355X);
+nothing here knows a particular model.
 
 Units: bytes, bytes/s, seconds, tokens. GB = 1e9 bytes throughout.
 
 Example:
-    >>> from moonserve.pipeline.capacity.registry import HARDWARE, MODELS
-    >>> p = plan(MODELS["kimi-k3.1-pro"], HARDWARE["mi355x"])
-    >>> round(p.used_bytes_per_gpu_at_start / 1e9)
-    199
+    >>> from moonserve.pipeline.capacity.registry import DRAFTS, HARDWARE, MODELS
+    >>> p = plan(MODELS["kimi-k3.1-pro"], HARDWARE["mi355x"], draft=DRAFTS["kimi-k3-dspark"],
+    ...          kv_cache=KVCacheSettings(num_speculative_tokens=7))
+    >>> round(p.used_bytes_per_gpu_at_start / 1e9, 2)
+    197.49
+    >>> p.kv_layout.block_size, p.kv_layout.group_size, p.kv_layout.kda_padding_layers
+    (1536, 29, 18)
     >>> [(row.context_len, row.max_concurrent_requests) for row in p.concurrency]
-    [(8192, 340), (131072, 26), (1048576, 3)]
+    [(8192, 80), (131072, 21), (1048576, 3)]
 """
 
 from __future__ import annotations
@@ -37,12 +44,28 @@ DTYPE_BYTES = {
     "fp32": 4.0,
 }
 
+# vLLM 0.32 constants the KV layout follows (paths under vllm/).
+# platforms/interface.py `_align_hybrid_block_size`: a hybrid MLA + mamba-like model's block size
+# is a multiple of 128 tokens ("TRTLLM/FlashInfer MLA decode kernels ... multiple of 128").
+MLA_HYBRID_BLOCK_ALIGNMENT = 128
+# v1/attention/backends/mla/triton_mla.py `get_supported_kernel_block_sizes`: MultipleOf(16), the
+# MLA backend of the AMD K3 recipes; config/cache.py DEFAULT_BLOCK_SIZE is 16 as well.
+MLA_KERNEL_BLOCK_ALIGNMENT = 16
+# v1/core/kv_cache_utils.py `_get_kv_cache_groups_uniform_page_size`: the group size is the
+# smallest layer type's count unless the largest has fewer than 1.5x as many layers.
+GROUP_SIZE_MAX_RATIO = 1.5
+# v1/core/block_pool.py: block 0 of the pool is the null block, never handed to a request.
+NULL_BLOCKS = 1
+
 # routed_expert: only the experts a batch routes to are read per decode step.
 # dense: read in full every decode step. embedding_lookup: only the batch's rows are read.
-# vision: loaded with the engine, not part of the language model's totals, not read in decode.
-Role = Literal["routed_expert", "dense", "embedding_lookup", "vision"]
+# vision: the ViT vLLM builds inside the engine, on every GPU; not read in decode.
+# draft: the speculative draft model's own weights; outside the one-token decode roofline.
+Role = Literal["routed_expert", "dense", "embedding_lookup", "vision", "draft"]
+MambaCacheMode = Literal["none", "align"]
 
-SOURCE_PREFIXES = ("brief", "vendor spec", "assumption:", "derived:", "input:", "measured:")
+SOURCE_PREFIXES = ("brief", "vendor spec", "assumption:", "derived:", "input:", "measured:",
+                   "vllm:", "checkpoint config:")
 
 
 @dataclass(frozen=True)
@@ -50,8 +73,9 @@ class Assumption:
     """One input number and where it comes from.
 
     `source` starts with one of SOURCE_PREFIXES: "brief" (the product brief), "vendor spec",
-    "assumption: <what> because <why>", "derived: <formula>", "input: <who sets it>" or
-    "measured: <which checkpoint>" (`moonserve plan --checkpoint`).
+    "vllm: <file>" (read off the installed vLLM), "checkpoint config: <repo>" (a published
+    config.json), "assumption: <what> because <why>", "derived: <formula>", "input: <who sets it>"
+    or "measured: <which checkpoint>" (`moonserve plan --checkpoint`).
     """
 
     name: str
@@ -88,6 +112,8 @@ class ParamGroup:
 class ModelSpec:
     """What the planner needs to know about a model; every scalar has a same-named Assumption.
 
+    `runtime_reserve` holds the per-GPU bytes vLLM's start-up profiling takes beside the weights
+    (activation peak, graph pools, communication buffers), one Assumption per term, in bytes.
     `nominal_weight_inputs` names the assumptions that only feed the nominal `param_groups`
     (geometry, parameter totals, dtype sizes): `with_checkpoint` drops them when measured weights
     replace those groups.
@@ -100,28 +126,43 @@ class ModelSpec:
     num_kda_layers: int
     num_mla_layers: int
     kv_lora_rank: int  # MLA latent elements per token per layer
-    qk_rope_head_dim: int  # MLA decoupled rope key elements per token per layer
+    qk_rope_head_dim: int  # MLA rope key elements per token per layer (stored even when NoPE)
     kv_cache_bytes_per_element: float
-    index_topk: int  # history tokens the sparse indexer selects per query
-    indexer_key_bytes_per_layer: float  # per token, key + its scale
     kda_num_heads: int
     kda_head_dim: int
     kda_conv_kernel_size: int
     kda_recurrent_state_bytes_per_element: float
     kda_conv_state_bytes_per_element: float
     max_context_len: int
-    runtime_reserve_bytes_per_gpu: float  # activations, workspaces, graph pools, comm buffers
+    runtime_reserve: tuple[Assumption, ...]
     assumptions: tuple[Assumption, ...]
     nominal_weight_inputs: tuple[str, ...] = ()
 
 
 # ModelSpec fields that are not one number; every other field has a same-named Assumption.
-NON_SCALAR_FIELDS = ("name", "param_groups", "assumptions", "nominal_weight_inputs")
+NON_SCALAR_FIELDS = ("name", "param_groups", "runtime_reserve", "assumptions",
+                     "nominal_weight_inputs")
 
 
 def scalar_field_names() -> tuple[str, ...]:
-    """ModelSpec's one-number fields (layer counts, geometry, element sizes, reserve)."""
+    """ModelSpec's one-number fields (layer counts, geometry, element sizes)."""
     return tuple(f.name for f in dataclasses.fields(ModelSpec) if f.name not in NON_SCALAR_FIELDS)
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """A speculative draft model vLLM loads beside the target (its own weights and MLA layers).
+
+    Its MLA layers get KV cache pages like the target's (vLLM allocates one KV spec per attention
+    layer it builds); embeddings and LM head it shares with the target are not in `param_groups`.
+    """
+
+    name: str
+    param_groups: tuple[ParamGroup, ...]
+    num_mla_layers: int
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    assumptions: tuple[Assumption, ...]
 
 
 @dataclass(frozen=True)
@@ -131,6 +172,47 @@ class HardwareSpec:
     hbm_bytes_per_gpu: float
     hbm_bandwidth_bytes_per_s: float  # per GPU
     assumptions: tuple[Assumption, ...]
+
+
+@dataclass(frozen=True)
+class KVCacheSettings:
+    """Engine settings that shape vLLM's KV cache: speculation and prefix caching."""
+
+    num_speculative_tokens: int = 0
+    # vLLM sets mamba_cache_mode "align" when prefix caching is on (model_executor/models/
+    # config.py MambaModelConfig), else "none".
+    enable_prefix_caching: bool = False
+    # Extra KDA state page per sequence for prefill checkpoints in "align" mode (MambaSpec
+    # num_prefill_checkpoint_blocks, set by the K3 KDA layer's get_kv_cache_spec).
+    kda_prefill_checkpoint_blocks: int = 0
+
+    @property
+    def mamba_cache_mode(self) -> MambaCacheMode:
+        return "align" if self.enable_prefix_caching else "none"
+
+
+@dataclass(frozen=True)
+class HybridKVLayout:
+    """Per-GPU KV cache layout vLLM builds for MLA + KDA layers (one engine, one TP rank).
+
+    Every MLA layer (target and draft) holds `block_size` tokens per page; every KDA layer holds
+    one sequence's state per page, padded to the MLA page. Layers are split into groups of
+    `group_size`; a block is one page of every layer of a group, so padding layers cost memory.
+    """
+
+    mla_bytes_per_token_per_layer: float  # latent + rope, no indexer key
+    kda_state_bytes_per_layer: float  # conv + recurrent state of one sequence on one GPU
+    block_size: int  # tokens per MLA page
+    page_bytes: float
+    kda_page_padding_bytes: float  # page_bytes - kda_state_bytes_per_layer
+    num_mla_layers: int  # target + draft
+    group_size: int
+    num_mla_groups: int
+    num_kda_groups: int
+    mla_padding_layers: int
+    kda_padding_layers: int
+    bytes_per_block: float  # group_size * page_bytes
+    kda_pages_per_sequence: int  # per KDA group: 1 + k ("none") or 2 + k + checkpoints ("align")
 
 
 @dataclass(frozen=True)
@@ -146,12 +228,12 @@ class WeightShare:
 
 @dataclass(frozen=True)
 class RequestFootprint:
-    """HBM one request of `context_len` tokens holds, at one DCP size."""
+    """HBM one request of `context_len` tokens holds, at one DCP size, in whole vLLM blocks."""
 
     context_len: int
     decode_context_parallel_size: int
-    kv_bytes_per_gpu: float  # MLA latent + rope + indexer keys
-    state_bytes_per_gpu: float  # KDA recurrent + conv state
+    kv_bytes_per_gpu: float  # MLA blocks (target + draft layers)
+    state_bytes_per_gpu: float  # KDA state blocks (padded pages and padding layers included)
     bytes_per_gpu: float
     bytes_per_node: float  # summed over the TP group, copies included
     fits_on_one_node: bool  # bytes_per_gpu <= the KV/state pool per GPU
@@ -180,23 +262,35 @@ class DecodeRoofline:
 
 
 @dataclass(frozen=True)
+class ReserveTerm:
+    name: str
+    bytes_per_gpu: float
+    source: str
+
+
+@dataclass(frozen=True)
 class Plan:
     model_name: str
     hardware_name: str
+    draft_name: str | None
     tensor_parallel_size: int
     decode_context_parallel_size: int
     gpu_memory_utilization: float
-    total_params: int  # language model, vision encoder excluded
+    num_speculative_tokens: int
+    mamba_cache_mode: str
+    total_params: int  # target language model; vision encoder and draft excluded
     activated_params: float  # per token
-    weights: tuple[WeightShare, ...]
+    weights: tuple[WeightShare, ...]  # target, in-engine ViT, draft
     weight_bytes_total: float
     weight_bytes_per_gpu: float
+    runtime_reserve: tuple[ReserveTerm, ...]
     runtime_reserve_bytes_per_gpu: float
     used_bytes_per_gpu_at_start: float  # weights + runtime reserve, before KV
     kv_pool_bytes_per_gpu: float  # for KV cache and KDA state
-    kv_bytes_per_token: float  # one copy, all layers
+    kv_layout: HybridKVLayout
+    kv_bytes_per_token: float  # one copy, all MLA layers (target + draft), unpadded
     kv_bytes_per_token_per_gpu: float
-    state_bytes_per_sequence: float  # one copy, all KDA layers
+    state_bytes_per_sequence: float  # one copy, all KDA layers, one state page each, unpadded
     state_bytes_per_sequence_per_gpu: float
     max_context_requests: tuple[RequestFootprint, ...]  # one per DCP size dividing TP
     concurrency: tuple[ConcurrencyRow, ...]
@@ -204,8 +298,10 @@ class Plan:
     assumptions: tuple[Assumption, ...]
 
 
-def weight_shares(model: ModelSpec, tensor_parallel_size: int) -> tuple[WeightShare, ...]:
-    return tuple(_weight_share(g, tensor_parallel_size) for g in model.param_groups)
+def weight_shares(model: ModelSpec, tensor_parallel_size: int,
+                  draft: DraftSpec | None = None) -> tuple[WeightShare, ...]:
+    groups = model.param_groups + (draft.param_groups if draft else ())
+    return tuple(_weight_share(g, tensor_parallel_size) for g in groups)
 
 
 def _weight_share(group: ParamGroup, tensor_parallel_size: int) -> WeightShare:
@@ -221,7 +317,7 @@ def _weight_share(group: ParamGroup, tensor_parallel_size: int) -> WeightShare:
 
 
 def language_model_params(model: ModelSpec) -> int:
-    return sum(g.num_params for g in model.param_groups if g.role != "vision")
+    return sum(g.num_params for g in model.param_groups if g.role not in ("vision", "draft"))
 
 
 def activated_params(model: ModelSpec) -> float:
@@ -231,48 +327,121 @@ def activated_params(model: ModelSpec) -> float:
     return language_model_params(model) - routed + routed * active_fraction
 
 
-def kv_bytes_per_token(model: ModelSpec) -> float:
-    """One copy of a token's cache over all MLA layers: latent + rope key + indexer key."""
-    mla = (model.kv_lora_rank + model.qk_rope_head_dim) * model.kv_cache_bytes_per_element
-    return model.num_mla_layers * (mla + model.indexer_key_bytes_per_layer)
+def mla_bytes_per_token_per_layer(kv_lora_rank: int, qk_rope_head_dim: int,
+                                  kv_cache_bytes_per_element: float) -> float:
+    """vLLM's MLAAttentionSpec page per token: one latent "head" of kv_lora + rope, no V."""
+    return (kv_lora_rank + qk_rope_head_dim) * kv_cache_bytes_per_element
 
 
-def state_bytes_per_sequence(model: ModelSpec) -> float:
-    """One copy of a sequence's KDA state over all KDA layers, independent of its length."""
-    heads, dim = model.kda_num_heads, model.kda_head_dim
-    recurrent = heads * dim * dim * model.kda_recurrent_state_bytes_per_element  # [H, K, V]
-    conv_channels = 3 * heads * dim  # short convs on q, k, v
-    conv = conv_channels * (model.kda_conv_kernel_size - 1) * model.kda_conv_state_bytes_per_element
-    return model.num_kda_layers * (recurrent + conv)
+def kda_state_bytes_per_layer(model: ModelSpec, tensor_parallel_size: int,
+                              num_speculative_tokens: int) -> float:
+    """One sequence's KDA state in one layer on one GPU, as vLLM shapes it.
+
+    vLLM `MambaStateShapeCalculator.kda_state_shape`: conv state [3*H*D/TP, K - 1 + k] (q, k, v
+    short convs, k = num_speculative_tokens) and recurrent state [H/TP, D, D].
+    """
+    heads, dim = model.kda_num_heads // tensor_parallel_size, model.kda_head_dim
+    conv_len = model.kda_conv_kernel_size - 1 + num_speculative_tokens
+    conv = 3 * heads * dim * conv_len * model.kda_conv_state_bytes_per_element
+    recurrent = heads * dim * dim * model.kda_recurrent_state_bytes_per_element
+    return conv + recurrent
 
 
-def kv_bytes_per_token_per_gpu(model: ModelSpec, decode_context_parallel_size: int) -> float:
-    # MLA has a single latent KV head, so every TP rank keeps every token; DCP splits the tokens.
-    return kv_bytes_per_token(model) / decode_context_parallel_size
+def hybrid_kv_layout(model: ModelSpec, tensor_parallel_size: int,
+                     settings: KVCacheSettings = KVCacheSettings(),
+                     draft: DraftSpec | None = None) -> HybridKVLayout:
+    """The KV layout vLLM builds: block size, page padding, layer groups (see HybridKVLayout)."""
+    mla_token = mla_bytes_per_token_per_layer(model.kv_lora_rank, model.qk_rope_head_dim,
+                                              model.kv_cache_bytes_per_element)
+    _check_draft_kv(model, draft, mla_token)
+    state = kda_state_bytes_per_layer(model, tensor_parallel_size,
+                                      settings.num_speculative_tokens)
+    block_size = _hybrid_block_size(state, mla_token)
+    page = block_size * mla_token
+    num_mla = model.num_mla_layers + (draft.num_mla_layers if draft else 0)
+    group_size = _group_size(num_mla, model.num_kda_layers)
+    mla_groups, kda_groups = (math.ceil(n / group_size) for n in (num_mla, model.num_kda_layers))
+    return HybridKVLayout(
+        mla_token, state, block_size, page, page - state, num_mla, group_size, mla_groups,
+        kda_groups, mla_groups * group_size - num_mla,
+        kda_groups * group_size - model.num_kda_layers, group_size * page,
+        _kda_pages_per_sequence(settings))
 
 
-def state_bytes_per_sequence_per_gpu(model: ModelSpec, tensor_parallel_size: int) -> float:
-    return state_bytes_per_sequence(model) / tensor_parallel_size  # KDA heads split over TP
+def _check_draft_kv(model: ModelSpec, draft: DraftSpec | None, mla_token: float) -> None:
+    if draft is None:
+        return
+    draft_token = mla_bytes_per_token_per_layer(draft.kv_lora_rank, draft.qk_rope_head_dim,
+                                                model.kv_cache_bytes_per_element)
+    if draft_token != mla_token:
+        # vLLM would put the draft's layers in their own group with another page size
+        # (unify_kv_cache_spec_page_size); this planner models only the shared-page case.
+        raise ValueError(f"draft {draft.name}: MLA page per token {draft_token:g} B differs from "
+                         f"the target's {mla_token:g} B; the planner needs the same latent size "
+                         "(plan without it: `moonserve plan --draft none`)")
 
 
-def request_bytes_per_gpu(model: ModelSpec, context_len: int, tensor_parallel_size: int,
+def _hybrid_block_size(state_bytes: float, mla_token_bytes: float) -> int:
+    # platforms/interface.py `_align_hybrid_block_size`: the smallest multiple of 128 tokens
+    # whose MLA page holds one KDA state, rounded up to every backend's kernel block (16).
+    align = MLA_HYBRID_BLOCK_ALIGNMENT
+    block = align * math.ceil(state_bytes / (align * mla_token_bytes))
+    return MLA_KERNEL_BLOCK_ALIGNMENT * math.ceil(block / MLA_KERNEL_BLOCK_ALIGNMENT)
+
+
+def _group_size(num_mla_layers: int, num_kda_layers: int) -> int:
+    smallest, largest = sorted((num_mla_layers, num_kda_layers))
+    return largest if largest < smallest * GROUP_SIZE_MAX_RATIO else smallest
+
+
+def _kda_pages_per_sequence(settings: KVCacheSettings) -> int:
+    # v1/kv_cache_interface.py MambaSpec.max_memory_usage_bytes: 1 + num_speculative_blocks
+    # ("none"), 2 + num_speculative_blocks + num_prefill_checkpoint_blocks ("align");
+    # num_speculative_blocks = num_speculative_tokens (mamba/abstract.py get_kv_cache_spec).
+    k = settings.num_speculative_tokens
+    if settings.mamba_cache_mode == "align":
+        return 2 + k + settings.kda_prefill_checkpoint_blocks
+    return 1 + k
+
+
+def request_blocks(layout: HybridKVLayout, context_len: int,
+                   decode_context_parallel_size: int) -> tuple[int, int]:
+    """(MLA blocks, KDA blocks) one request holds on one GPU.
+
+    MLA: AttentionSpec.max_num_blocks_per_req, cdiv(tokens, block_size * DCP) per MLA group;
+    KDA: its pages per sequence in every KDA group (state is not split by DCP).
+    """
+    mla = layout.num_mla_groups * math.ceil(
+        context_len / (layout.block_size * decode_context_parallel_size))
+    return mla, layout.num_kda_groups * layout.kda_pages_per_sequence
+
+
+def request_bytes_per_gpu(layout: HybridKVLayout, context_len: int,
                           decode_context_parallel_size: int) -> float:
-    kv = context_len * kv_bytes_per_token_per_gpu(model, decode_context_parallel_size)
-    return kv + state_bytes_per_sequence_per_gpu(model, tensor_parallel_size)
+    return sum(request_blocks(layout, context_len, decode_context_parallel_size)) * (
+        layout.bytes_per_block)
 
 
-def request_footprint(model: ModelSpec, context_len: int, tensor_parallel_size: int,
+def request_footprint(layout: HybridKVLayout, context_len: int, tensor_parallel_size: int,
                       decode_context_parallel_size: int,
                       kv_pool_bytes_per_gpu: float) -> RequestFootprint:
-    kv = context_len * kv_bytes_per_token_per_gpu(model, decode_context_parallel_size)
-    state = state_bytes_per_sequence_per_gpu(model, tensor_parallel_size)
+    mla, kda = request_blocks(layout, context_len, decode_context_parallel_size)
+    kv, state = mla * layout.bytes_per_block, kda * layout.bytes_per_block
     return RequestFootprint(context_len, decode_context_parallel_size, kv, state, kv + state,
                             (kv + state) * tensor_parallel_size,
-                            kv + state <= kv_pool_bytes_per_gpu)
+                            kv + state <= usable_pool_blocks(layout, kv_pool_bytes_per_gpu)
+                            * layout.bytes_per_block)
 
 
-def max_concurrent_requests(kv_pool_bytes_per_gpu: float, bytes_per_request_per_gpu: float) -> int:
-    return max(0, math.floor(kv_pool_bytes_per_gpu / bytes_per_request_per_gpu))
+def usable_pool_blocks(layout: HybridKVLayout, kv_pool_bytes_per_gpu: float) -> int:
+    # kv_cache_utils.get_kv_cache_config_from_groups: available_memory // bytes_per_block.
+    return max(0, math.floor(kv_pool_bytes_per_gpu / layout.bytes_per_block) - NULL_BLOCKS)
+
+
+def max_concurrent_requests(layout: HybridKVLayout, kv_pool_bytes_per_gpu: float,
+                            context_len: int, decode_context_parallel_size: int) -> int:
+    blocks = sum(request_blocks(layout, context_len, decode_context_parallel_size))
+    return usable_pool_blocks(layout, kv_pool_bytes_per_gpu) // blocks
 
 
 def expected_distinct_experts(num_experts: int, num_experts_per_token: int,
@@ -285,24 +454,23 @@ def decode_weight_bytes_per_gpu(model: ModelSpec, tensor_parallel_size: int,
                                 batch_size: int) -> float:
     touched = expected_distinct_experts(model.num_experts, model.num_experts_per_token, batch_size)
     read_fraction = {"routed_expert": touched / model.num_experts, "dense": 1.0,
-                     "embedding_lookup": 0.0, "vision": 0.0}
+                     "embedding_lookup": 0.0, "vision": 0.0, "draft": 0.0}
     shares = weight_shares(model, tensor_parallel_size)
     return sum(s.bytes_per_gpu * read_fraction[s.role] for s in shares)
 
 
 def decode_kv_state_bytes_per_gpu(model: ModelSpec, context_len: int, tensor_parallel_size: int,
                                   decode_context_parallel_size: int) -> float:
-    """Cache bytes one sequence's decode step reads on one GPU.
+    """Cache bytes one sequence's decode step reads on one GPU (target model, no speculation).
 
-    Per MLA layer: the indexer scans every cached indexer key, then attention reads the latent +
-    rope of the `index_topk` selected tokens; DCP ranks each do 1/DCP of both. KDA reads and
-    writes its state once (2x).
+    Per MLA layer: dense attention reads every cached token's latent + rope (vLLM's K3 MLA has
+    no sparse indexer); DCP ranks each read 1/DCP. KDA reads and writes its state once (2x).
     """
-    latent = (model.kv_lora_rank + model.qk_rope_head_dim) * model.kv_cache_bytes_per_element
-    selected = min(context_len, model.index_topk) * latent
-    scanned = context_len * model.indexer_key_bytes_per_layer
-    mla = model.num_mla_layers * (selected + scanned) / decode_context_parallel_size
-    return mla + 2 * state_bytes_per_sequence_per_gpu(model, tensor_parallel_size)
+    latent = mla_bytes_per_token_per_layer(model.kv_lora_rank, model.qk_rope_head_dim,
+                                           model.kv_cache_bytes_per_element)
+    mla = model.num_mla_layers * context_len * latent / decode_context_parallel_size
+    state = model.num_kda_layers * kda_state_bytes_per_layer(model, tensor_parallel_size, 0)
+    return mla + 2 * state
 
 
 def decode_roofline(model: ModelSpec, hardware: HardwareSpec, batch_size: int, context_len: int,
@@ -320,49 +488,63 @@ def decode_roofline(model: ModelSpec, hardware: HardwareSpec, batch_size: int, c
                           step_time_s, batch_size / step_time_s)
 
 
+def runtime_reserve_terms(model: ModelSpec) -> tuple[ReserveTerm, ...]:
+    return tuple(ReserveTerm(a.name, a.value, a.source) for a in model.runtime_reserve)
+
+
 def plan(model: ModelSpec, hardware: HardwareSpec, tensor_parallel_size: int = 8,
          decode_context_parallel_size: int = 1,
          contexts: tuple[int, ...] = (8192, 131072, 1048576), *,
-         gpu_memory_utilization: float = 0.9, roofline_context_len: int = 8192,
+         gpu_memory_utilization: float = 0.9, draft: DraftSpec | None = None,
+         kv_cache: KVCacheSettings = KVCacheSettings(), roofline_context_len: int = 8192,
          roofline_batch_sizes: tuple[int, ...] = (1, 64)) -> Plan:
     """Capacity of one engine with `tensor_parallel_size` GPUs of one node.
 
     `gpu_memory_utilization` is vLLM's: the engine may use that fraction of each GPU's HBM.
-    Concurrency is at `decode_context_parallel_size`; `max_context_requests` shows one
-    `model.max_context_len`-token request at every DCP size dividing TP. Raises ValueError on a
-    layout vLLM would refuse. Example: see the module docstring.
+    `draft` adds a speculative draft's weights and MLA KV layers; `kv_cache` holds the engine
+    settings that size KDA state (speculative tokens, prefix caching). Concurrency is at
+    `decode_context_parallel_size`; `max_context_requests` shows one `model.max_context_len`-token
+    request at every DCP size dividing TP. Raises ValueError on a layout vLLM would refuse.
+    Example: see the module docstring.
     """
     _validate(model, hardware, tensor_parallel_size, decode_context_parallel_size, contexts,
               gpu_memory_utilization, roofline_context_len)
     tp, dcp = tensor_parallel_size, decode_context_parallel_size
-    shares = weight_shares(model, tp)
+    shares = weight_shares(model, tp, draft)
     weight_per_gpu = sum(s.bytes_per_gpu for s in shares)
-    used = weight_per_gpu + model.runtime_reserve_bytes_per_gpu
+    reserve = runtime_reserve_terms(model)
+    reserve_total = sum(r.bytes_per_gpu for r in reserve)
+    used = weight_per_gpu + reserve_total
     pool = gpu_memory_utilization * hardware.hbm_bytes_per_gpu - used
+    layout = hybrid_kv_layout(model, tp, kv_cache, draft)
+    kv_token = layout.num_mla_layers * layout.mla_bytes_per_token_per_layer
+    state_seq = model.num_kda_layers * kda_state_bytes_per_layer(
+        model, 1, kv_cache.num_speculative_tokens)
     return Plan(
-        model.name, hardware.name, tp, dcp, gpu_memory_utilization,
+        model.name, hardware.name, draft.name if draft else None, tp, dcp,
+        gpu_memory_utilization, kv_cache.num_speculative_tokens, kv_cache.mamba_cache_mode,
         language_model_params(model), activated_params(model),
         shares, sum(s.bytes_total for s in shares), weight_per_gpu,
-        model.runtime_reserve_bytes_per_gpu, used, pool,
-        kv_bytes_per_token(model), kv_bytes_per_token_per_gpu(model, dcp),
-        state_bytes_per_sequence(model), state_bytes_per_sequence_per_gpu(model, tp),
-        tuple(request_footprint(model, model.max_context_len, tp, d, pool) for d in _divisors(tp)),
-        tuple(_concurrency_row(model, c, tp, dcp, pool) for c in contexts),
+        reserve, reserve_total, used, pool, layout,
+        kv_token, kv_token / dcp, state_seq, state_seq / tp,
+        tuple(request_footprint(layout, model.max_context_len, tp, d, pool)
+              for d in _divisors(tp)),
+        tuple(_concurrency_row(layout, c, dcp, pool) for c in contexts),
         tuple(decode_roofline(model, hardware, b, roofline_context_len, tp, dcp)
               for b in roofline_batch_sizes),
-        model.assumptions + hardware.assumptions
-        + _plan_assumptions(model, tp, dcp, gpu_memory_utilization, roofline_context_len,
-                            roofline_batch_sizes),
+        model.assumptions + model.runtime_reserve + (draft.assumptions if draft else ())
+        + hardware.assumptions
+        + _plan_assumptions(model, tp, dcp, gpu_memory_utilization, kv_cache, layout,
+                            roofline_context_len, roofline_batch_sizes),
     )
 
 
-def _concurrency_row(model: ModelSpec, context_len: int, tensor_parallel_size: int,
-                     decode_context_parallel_size: int,
+def _concurrency_row(layout: HybridKVLayout, context_len: int, decode_context_parallel_size: int,
                      kv_pool_bytes_per_gpu: float) -> ConcurrencyRow:
-    per_request = request_bytes_per_gpu(model, context_len, tensor_parallel_size,
-                                        decode_context_parallel_size)
-    return ConcurrencyRow(context_len, per_request,
-                          max_concurrent_requests(kv_pool_bytes_per_gpu, per_request))
+    return ConcurrencyRow(
+        context_len, request_bytes_per_gpu(layout, context_len, decode_context_parallel_size),
+        max_concurrent_requests(layout, kv_pool_bytes_per_gpu, context_len,
+                                decode_context_parallel_size))
 
 
 def _divisors(n: int) -> tuple[int, ...]:
@@ -392,6 +574,7 @@ def _validate(model: ModelSpec, hardware: HardwareSpec, tensor_parallel_size: in
 
 def _plan_assumptions(model: ModelSpec, tensor_parallel_size: int,
                       decode_context_parallel_size: int, gpu_memory_utilization: float,
+                      kv_cache: KVCacheSettings, layout: HybridKVLayout,
                       roofline_context_len: int,
                       roofline_batch_sizes: tuple[int, ...]) -> tuple[Assumption, ...]:
     tp, dcp = tensor_parallel_size, decode_context_parallel_size
@@ -399,12 +582,24 @@ def _plan_assumptions(model: ModelSpec, tensor_parallel_size: int,
         Assumption("gpu_memory_utilization", gpu_memory_utilization, "fraction of HBM",
                    "input: vLLM's gpu_memory_utilization (0.9 is vLLM's and EngineConfig's "
                    "default); HBM above it stays unused"),
+        Assumption("num_speculative_tokens", kv_cache.num_speculative_tokens, "tokens",
+                   "input: speculative_config.num_speculative_tokens; vLLM lengthens each KDA "
+                   "conv state by k and keeps k extra KDA state pages per sequence"),
+        Assumption("kda_pages_per_sequence", layout.kda_pages_per_sequence, "pages per group",
+                   f"vllm: v1/kv_cache_interface.py MambaSpec.max_memory_usage_bytes, "
+                   f"mamba_cache_mode={kv_cache.mamba_cache_mode!r} (prefix caching "
+                   f"{'on' if kv_cache.enable_prefix_caching else 'off'})"),
+        Assumption("kv_block_size", layout.block_size, "tokens",
+                   "vllm: platforms/interface.py _align_hybrid_block_size, smallest multiple of "
+                   "128 tokens whose MLA page holds one KDA state page"),
+        Assumption("kv_layer_group_size", layout.group_size, "layers",
+                   "vllm: v1/core/kv_cache_utils.py _get_kv_cache_groups_uniform_page_size; "
+                   f"{layout.kda_padding_layers + layout.mla_padding_layers} padding layers"),
         Assumption("kv_cache_copies_per_node", tp // dcp, "copies",
                    "derived: tensor_parallel_size / decode_context_parallel_size, because MLA has "
-                   "one latent KV head, so every TP rank stores every token's latent + rope and "
-                   "indexer key; DCP splits tokens over its ranks. DCP does not shard weights, "
-                   "the runtime reserve or the KDA state (per sequence, already split by TP "
-                   "heads)"),
+                   "one latent KV head, so every TP rank stores every token's latent + rope; DCP "
+                   "splits tokens over its ranks. DCP does not shard weights, the runtime reserve "
+                   "or the KDA state (per sequence, already split by TP heads)"),
         Assumption("roofline_context_len", roofline_context_len, "tokens",
                    "input: every sequence of a roofline batch is at this context, because one "
                    "context keeps the bound readable"),
@@ -432,7 +627,7 @@ def with_checkpoint(model: ModelSpec, report: CheckpointReport) -> ModelSpec:
 
     The weight groups become the report's (component, format, sharding) groups, with their bytes
     as stored and per GPU at the report's TP (MTP layers left out: vLLM's main model skips them).
-    KV/state element sizes, the runtime reserve and the context length stay the model's. Raises
+    KV/state element sizes, the runtime reserve terms and the context length stay the model's. Raises
     ValueError unless the report is clean and came with a Kimi K3 config.json.
     """
     if not report.ok or report.model is None or report.bytes_per_rank is None:

@@ -1,76 +1,61 @@
-"""The models and hardware `moonserve plan` knows, and the brief's figures a plan must reproduce.
+"""The models and hardware `moonserve plan` knows, and the brief's figure a plan is compared with.
 
 `MODELS["kimi-k3.1-pro"]` is Kimi K3.1 Pro as the product brief describes it (2.8T total / 104B
 activated parameters, 69 KDA + 24 MLA layers, 16 of 896 experts active, MXFP4 routed experts, FP8
-attention and dense layers, FP8 KV cache, 1M-token context). Every number the brief does not give
-is an `Assumption` saying why it was chosen; the parameter groups are derived from them.
-`HARDWARE["mi355x"]` is one node of 8 AMD MI355X. `check_against_brief` lists where a plan misses
-the brief's figures by more than 5%.
+attention and dense layers, FP8 KV cache, 1M-token context), with the in-engine ViT + projector
+vLLM builds from `KimiK3VisionConfig`'s defaults. `DRAFTS["kimi-k3-dspark"]` is the DSpark draft of
+the K3 serving recipes (lightseekorg/kimi-k3-dspark config.json). `HARDWARE["mi355x"]` is one node
+of 8 AMD MI355X. Every number the brief does not give is an `Assumption` naming its source; none is
+chosen to reproduce the brief. `BRIEF_USED_BYTES_PER_GPU_AT_START` is printed beside the derived
+figure (`report.compare_with_brief`), not enforced.
 
 Example:
     >>> from moonserve.pipeline.capacity.plan import plan
-    >>> check_against_brief(plan(MODELS["kimi-k3.1-pro"], HARDWARE["mi355x"]))
-    []
+    >>> p = plan(MODELS["kimi-k3.1-pro"], HARDWARE["mi355x"], draft=DRAFTS["kimi-k3-dspark"])
+    >>> [w.name for w in p.weights if w.role in ("vision", "draft")]
+    ['vision_encoder', 'draft_tp_sharded', 'draft_replicated']
 """
 
 from __future__ import annotations
 
+import math
+
+from moonserve.pipeline.capacity import kimi_k3_layout
 from moonserve.pipeline.capacity.plan import (
     DTYPE_BYTES,
     GB,
     Assumption,
+    DraftSpec,
     HardwareSpec,
+    KVCacheSettings,
     ModelSpec,
     ParamGroup,
-    Plan,
     Role,
     scalar_field_names,
 )
 
-BRIEF_TOTAL_PARAMS = 2.8e12
-BRIEF_ACTIVATED_PARAMS = 104e9
-BRIEF_USED_BYTES_PER_GPU_AT_START = 199 * GB
-BRIEF_LONG_REQUEST_LEN = 1_048_576
-BRIEF_TOLERANCE = 0.05
+BRIEF_USED_BYTES_PER_GPU_AT_START = Assumption(
+    "brief_used_bytes_per_gpu_at_start", 199 * GB, "bytes",
+    "brief: ~199 GB/GPU used at start (8x MI355X, TP=8), not itemized")
+
+# Engine settings of configs/mi355x-k3.1-pro.yaml and the K3 recipes the planner sizes by default.
+K3_RECIPE_NUM_SPECULATIVE_TOKENS = 7  # K3 DSpark recipes; lightseekorg/kimi-k3-dspark: "up to 7"
+K3_MAX_NUM_BATCHED_TOKENS = 8192  # configs/mi355x-k3.1-pro.yaml engine.max_num_batched_tokens
 
 
-def check_against_brief(p: Plan) -> list[str]:
-    """Violations of the product brief's numbers (±5%); empty when the plan reproduces them."""
-    violations = [
-        _off_by_more_than_tolerance("total params", p.total_params, BRIEF_TOTAL_PARAMS),
-        _off_by_more_than_tolerance("activated params", p.activated_params, BRIEF_ACTIVATED_PARAMS),
-        _off_by_more_than_tolerance("used bytes per GPU at start", p.used_bytes_per_gpu_at_start,
-                                    BRIEF_USED_BYTES_PER_GPU_AT_START),
-        _long_request_violation(p),
-    ]
-    return [v for v in violations if v]
-
-
-def _off_by_more_than_tolerance(what: str, value: float, target: float) -> str:
-    if abs(value / target - 1) <= BRIEF_TOLERANCE:
-        return ""
-    return (f"{what}: {value / GB:,.2f}e9 is not within ±{BRIEF_TOLERANCE:.0%} of the brief's "
-            f"{target / GB:,.2f}e9")
-
-
-def _long_request_violation(p: Plan) -> str:
-    # The brief claims the fit without DCP: "~199 GB/GPU used at start, so one 1M request fits".
-    rows = [r for r in p.max_context_requests
-            if r.context_len == BRIEF_LONG_REQUEST_LEN and r.decode_context_parallel_size == 1]
-    if not rows:
-        return f"no {BRIEF_LONG_REQUEST_LEN:,}-token request in the plan (max_context_len differs)"
-    if rows[0].fits_on_one_node:
-        return ""
-    return (f"one {BRIEF_LONG_REQUEST_LEN:,}-token request needs {rows[0].bytes_per_gpu / GB:.2f} "
-            f"GB per GPU without DCP; the KV/state pool is {p.kv_pool_bytes_per_gpu / GB:.2f} GB")
+def k3_kv_cache_settings(num_speculative_tokens: int = K3_RECIPE_NUM_SPECULATIVE_TOKENS,
+                         enable_prefix_caching: bool = True) -> KVCacheSettings:
+    """K3 on MI355X: prefix caching as in the production config; one KDA prefill-checkpoint page
+    in "align" mode (vllm/models/kimi_k3/amd/kda.py: kda_prefill_checkpoint defaults to True and
+    gfx950 runs the fused chunk kernel; the K3 config is assumed to set a KDA gate lower bound)."""
+    return KVCacheSettings(num_speculative_tokens, enable_prefix_caching,
+                           1 if enable_prefix_caching else 0)
 
 
 def _kimi_k3_geometry() -> tuple[Assumption, ...]:
     """Numbers the brief does not give; they shape parameter counts and cache sizes."""
     k2_mla = ("assumption: Kimi K2 / DeepSeek-V3 MLA geometry, because the brief gives only "
               "latent 512 + rope 64")
-    v32_indexer = ("assumption: DeepSeek-V3.2 sparse indexer geometry (same 2,048-token top-k), "
-                   "because the brief gives no indexer geometry")
     return (
         Assumption("hidden_size", 7168, "elements",
                    "assumption: Kimi K2's hidden size, because K3 keeps K2's MLA latent geometry "
@@ -86,8 +71,6 @@ def _kimi_k3_geometry() -> tuple[Assumption, ...]:
         Assumption("q_lora_rank", 1536, "elements", k2_mla),
         Assumption("qk_nope_head_dim", 128, "elements", k2_mla),
         Assumption("v_head_dim", 128, "elements", k2_mla),
-        Assumption("indexer_num_heads", 64, "heads", v32_indexer),
-        Assumption("indexer_head_dim", 128, "elements", v32_indexer),
     )
 
 
@@ -96,26 +79,26 @@ def _kimi_k3_cache_facts() -> tuple[Assumption, ...]:
         Assumption("num_kda_layers", 69, "layers", "brief"),
         Assumption("num_mla_layers", 24, "layers", "brief"),
         Assumption("kv_lora_rank", 512, "elements", "brief: MLA latent per token per layer"),
-        Assumption("qk_rope_head_dim", 64, "elements", "brief: MLA rope key per token per layer"),
+        Assumption("qk_rope_head_dim", 64, "elements",
+                   "brief: MLA rope key per token per layer (vLLM's K3 MLA is NoPE but its "
+                   "MLAAttentionSpec head_size stays kv_lora_rank + qk_rope_head_dim)"),
         Assumption("kv_cache_bytes_per_element", 1.0, "bytes", "brief: FP8 KV cache"),
-        Assumption("index_topk", 2048, "tokens", "brief: history tokens selected per query"),
-        Assumption("indexer_key_bytes_per_layer", 128 + 128 // 128 * 4, "bytes per token",
-                   "assumption: 128 FP8 key values + one fp32 scale per 128 (vLLM's sparse-"
-                   "indexer cache layout), because the brief gives no indexer key size"),
-        Assumption("kda_num_heads", 64, "heads",
-                   "assumption: 64 heads x 128 (the MLA head count at Kimi Linear's head_dim), "
-                   "because the brief gives no KDA geometry"),
+        Assumption("kda_num_heads", 96, "heads",
+                   "assumption: NVIDIA Megatron-Bridge KimiK3TransformerConfig defaults "
+                   "(kimi_linear_num_heads=96, head_dim 128), because the brief gives no KDA "
+                   "geometry"),
         Assumption("kda_head_dim", 128, "elements",
-                   "assumption: Kimi Linear's KDA head_dim, because the brief gives none"),
+                   "assumption: Kimi Linear's and Megatron-Bridge K3's KDA head_dim, because the "
+                   "brief gives none"),
         Assumption("kda_conv_kernel_size", 4, "taps",
                    "assumption: Kimi Linear's short_conv_kernel_size, because the brief gives "
                    "none"),
         Assumption("kda_recurrent_state_bytes_per_element", 4.0, "bytes",
-                   "assumption: fp32 recurrent state (vLLM's KDA default with "
-                   "mamba_ssm_cache_dtype=auto), because the brief gives no state dtype"),
+                   "vllm: model_executor/layers/mamba/mamba_utils.py kda_state_dtype, fp32 "
+                   "recurrent state with mamba_ssm_cache_dtype auto"),
         Assumption("kda_conv_state_bytes_per_element", 2.0, "bytes",
-                   "assumption: conv state in bf16 (vLLM mamba_cache_dtype=auto follows the model "
-                   "dtype), because the brief gives no state dtype"),
+                   "vllm: mamba_utils.py kda_state_dtype, conv state in the model dtype (bf16) "
+                   "with mamba_cache_dtype auto"),
         Assumption("max_context_len", 1_048_576, "tokens", "brief: 1M-token context window"),
     )
 
@@ -132,12 +115,48 @@ def _kimi_k3_moe_and_dtypes() -> tuple[Assumption, ...]:
                    "brief: FP8 re-quantized attention and dense layers"),
         Assumption("bf16_bytes_per_param", DTYPE_BYTES["bf16"], "bytes",
                    "brief: bf16 embeddings, LM head and vision encoder"),
-        Assumption("vision_encoder_params", 401_000_000, "params", "brief: MoonViT-V2"),
-        Assumption("runtime_reserve_bytes_per_gpu", 7 * GB, "bytes",
-                   "assumption: ~4 GB activation + MoE workspace peak at 8,192 batched tokens, "
-                   "~2 GB HIP graph pools, ~1 GB RCCL buffers and HIP context, because vLLM "
-                   "measures it only at startup; with the weights above it reproduces the "
-                   "brief's ~199 GB/GPU at start"),
+    )
+
+
+def _k3_vision_params(hidden_size: int) -> int:
+    """ViT + patchmergerv2 projector vLLM builds inside the engine, from KimiK3VisionConfig's
+    defaults (kimi_k3_layout reads them off vllm/transformers_utils/configs/kimi_k3.py)."""
+    vision = kimi_k3_layout._vision({})
+    tensors = (kimi_k3_layout._vision_tower(vision, 1)
+               + kimi_k3_layout._projector(vision, hidden_size))
+    return sum(math.prod(t.shape) for t in tensors)
+
+
+def _k3_vision(hidden_size: int) -> Assumption:
+    params = _k3_vision_params(hidden_size)
+    return Assumption("vision_encoder_params", params, "params",
+                      "derived: vllm/models/kimi_k3/*/model.py builds MoonViT3dPretrainedModel + "
+                      "KimiK25MultiModalProjector on every GPU, shapes from KimiK3VisionConfig "
+                      "defaults (27 layers x 1024, 4096 MLP; the brief's 401M MoonViT-V2 + the "
+                      f"{(params - 401_000_000) / 1e6:.1f}M projector to hidden_size)")
+
+
+def _kimi_k3_runtime_reserve(hidden_size: int, top_k: int) -> tuple[Assumption, ...]:
+    """What vLLM's start-up profiling takes beside the weights (gpu_worker.py
+    determine_available_memory: profile_run peak + profile_cudagraph_memory + non-torch).
+    vLLM measures these at start; without a K3 start log they are stated assumptions."""
+    tokens = K3_MAX_NUM_BATCHED_TOKENS
+    return (
+        Assumption("moe_workspace_bytes_per_gpu", tokens * top_k * hidden_size * 2, "bytes",
+                   "assumption: fused-MoE workspace max_num_batched_tokens (8192) x top_k (16) x "
+                   "hidden_size x 2 B (bf16, workspace sized M*topk*max(N, K)) at the profile "
+                   "run's peak, because vLLM measures the real peak only at start"),
+        Assumption("activation_bytes_per_gpu", tokens * hidden_size * 2 * 4, "bytes",
+                   "assumption: 4 live [8192, hidden_size] bf16 activations (hidden, residual, "
+                   "attention in/out) beside the MoE workspace, because vLLM measures the real "
+                   "peak only at start"),
+        Assumption("cudagraph_pool_bytes_per_gpu", 1 * GB, "bytes",
+                   "assumption: 1 GB of graph pools, because vLLM estimates them only at start "
+                   "(profile_cudagraph_memory; logged 0.2-0.4 GiB for small models, e.g. "
+                   "gpustack/runner#251) and K3 captures 93 layers at many batch sizes"),
+        Assumption("non_torch_bytes_per_gpu", 1 * GB, "bytes",
+                   "assumption: 1 GB of RCCL / custom all-reduce buffers and HIP context, "
+                   "because it is outside torch's allocator and only measurable on the GPU"),
     )
 
 
@@ -169,13 +188,12 @@ def _mla_sharded_params_per_layer(v: dict[str, float]) -> int:
 
 
 def _mla_replicated_params_per_layer(v: dict[str, float]) -> int:
-    # vLLM keeps q_a, kv_a and the indexer's wq_b / wk / weights_proj unsharded on every rank.
+    # vLLM keeps q_a and kv_a (fused_qkv_a_proj, disable_tp) unsharded on every rank; its K3 MLA
+    # builds no sparse indexer (indexer=None), so no indexer weights are loaded.
     h, q_lora = int(v["hidden_size"]), int(v["q_lora_rank"])
     q_a = h * q_lora
     kv_a = h * int(v["kv_lora_rank"] + v["qk_rope_head_dim"])
-    indexer_dim = int(v["indexer_num_heads"] * v["indexer_head_dim"])
-    indexer = q_lora * indexer_dim + h * int(v["indexer_head_dim"] + v["indexer_num_heads"])
-    return q_a + kv_a + indexer
+    return q_a + kv_a
 
 
 def _kda_params_per_layer(v: dict[str, float]) -> int:
@@ -210,8 +228,8 @@ _K3_GROUP_LAYOUT: dict[str, tuple[str, Role, bool, str]] = {
                              "derived: MLA q_b + kv_b + o and KDA in-proj (q, k, v, g, f_a, beta) "
                              "+ f_b + conv + o per layer from the assumed geometry"),
     "attention_replicated": ("fp8", "dense", False,
-                             "derived: MLA q_a + kv_a + indexer wq_b, wk, weights_proj per layer, "
-                             "which vLLM replicates on every TP rank"),
+                             "derived: MLA q_a + kv_a per layer, which vLLM replicates on every TP "
+                             "rank (no indexer weights: vLLM's K3 MLA has indexer=None)"),
     "dense_mlp": ("fp8", "dense", True,
                   "assumption: the rest of the 2.8T after the groups above is shared experts + "
                   "the dense layer's MLP, because the brief fixes only the totals (moving params "
@@ -224,7 +242,8 @@ def _kimi_k3_param_groups(
     counts = _kimi_k3_param_counts(v)
     groups = [ParamGroup(n, counts[n], dtype, role, sharded)
               for n, (dtype, role, sharded, _) in _K3_GROUP_LAYOUT.items()]
-    # 12 ViT heads do not divide TP=8, so vLLM falls back to a data-parallel (replicated) ViT.
+    # vision.py is_vit_use_data_parallel: 12 ViT heads do not divide TP=8, so vLLM replicates the
+    # ViT (data parallel); the projector is replicated in that mode too.
     groups.append(ParamGroup("vision_encoder", int(v["vision_encoder_params"]), "bf16", "vision",
                              False))
     records = [Assumption(f"{n}_params", counts[n], "params", layout[3])
@@ -235,11 +254,74 @@ def _kimi_k3_param_groups(
 def _kimi_k3_1_pro() -> ModelSpec:
     assumptions = _kimi_k3_moe_and_dtypes() + _kimi_k3_cache_facts() + _kimi_k3_geometry()
     v = {a.name: a.value for a in assumptions}
+    assumptions += (_k3_vision(int(v["hidden_size"])),)
+    v["vision_encoder_params"] = assumptions[-1].value
     groups, group_records = _kimi_k3_param_groups(v)
     scalars = {name: v[name] for name in scalar_field_names()}
-    return ModelSpec(name="kimi-k3.1-pro", param_groups=groups,
+    reserve = _kimi_k3_runtime_reserve(int(v["hidden_size"]), int(v["num_experts_per_token"]))
+    return ModelSpec(name="kimi-k3.1-pro", param_groups=groups, runtime_reserve=reserve,
                      assumptions=assumptions + group_records,
                      nominal_weight_inputs=_nominal_weight_inputs(group_records), **scalars)
+
+
+# lightseekorg/kimi-k3-dspark config.json (K3DSparkModel, model.safetensors 7.12 GB in bf16).
+K3_DSPARK_CONFIG = {
+    "hidden_size": 7168, "intermediate_size": 14336, "num_hidden_layers": 5,
+    "num_attention_heads": 64, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 163840, "num_target_layers": 5,
+    "target_hidden_size": 7168, "markov_rank": 256,
+}
+K3_DSPARK_SOURCE = "checkpoint config: lightseekorg/kimi-k3-dspark config.json"
+
+
+def _dspark_layer_params(c: dict[str, int]) -> tuple[int, int]:
+    """(TP-sharded, replicated) params of one K3DSparkDecoderLayer (vllm/models/kimi_k3/nvidia/
+    dspark_mla.py: nvidia MultiHeadLatentAttention + KimiMLP)."""
+    h, heads, q_lora, kv_lora = (c[k] for k in ("hidden_size", "num_attention_heads",
+                                                "q_lora_rank", "kv_lora_rank"))
+    nope, rope, v_dim, inter = (c[k] for k in ("qk_nope_head_dim", "qk_rope_head_dim",
+                                               "v_head_dim", "intermediate_size"))
+    sharded = (q_lora * heads * (nope + rope)  # q_b_proj (ColumnParallel)
+               + kv_lora * heads * (nope + v_dim)  # kv_b_proj (ColumnParallel)
+               + heads * v_dim * h  # o_proj (RowParallel)
+               + 3 * h * inter)  # gate_up_proj + down_proj
+    replicated = (h * (q_lora + kv_lora + rope)  # fused_qkv_a_proj, disable_tp
+                  + 2 * h + q_lora + kv_lora)  # layer norms, q_a / kv_a norms
+    return sharded, replicated
+
+
+def _dspark_shared_params(c: dict[str, int]) -> int:
+    """Replicated params outside the layers: context_proj (ReplicatedLinear), context_kv_proj
+    (disable_tp; a second copy of each layer's kv_a weights), Markov head (both matrices
+    replicated, qwen3_dspark.DSparkMarkovHead), confidence head, context/final norms."""
+    h, n, rank = c["hidden_size"], c["num_hidden_layers"], c["markov_rank"]
+    context = c["target_hidden_size"] * c["num_target_layers"] * h
+    context_kv = h * n * (c["kv_lora_rank"] + c["qk_rope_head_dim"])
+    markov = 2 * c["vocab_size"] * rank
+    confidence = h + rank + 1
+    return context + context_kv + markov + confidence + 2 * h
+
+
+def _k3_dspark() -> DraftSpec:
+    c = K3_DSPARK_CONFIG
+    sharded, replicated = _dspark_layer_params(c)
+    n = c["num_hidden_layers"]
+    groups = (ParamGroup("draft_tp_sharded", n * sharded, "bf16", "draft", True),
+              ParamGroup("draft_replicated", n * replicated + _dspark_shared_params(c), "bf16",
+                         "draft", False))
+    where = ("derived: vllm/models/kimi_k3/nvidia/dspark_mla.py layer shapes from "
+             f"{K3_DSPARK_SOURCE.split(': ')[1]}, bf16 (no quantization_config); embeddings and "
+             "LM head are the target's (has_own_embed_tokens/lm_head False)")
+    return DraftSpec(
+        name="kimi-k3-dspark", param_groups=groups, num_mla_layers=n,
+        kv_lora_rank=c["kv_lora_rank"], qk_rope_head_dim=c["qk_rope_head_dim"],
+        assumptions=(
+            Assumption("draft_num_mla_layers", n, "layers",
+                       f"{K3_DSPARK_SOURCE} num_hidden_layers; each K3DSparkDecoderLayer's MLA "
+                       "returns an MLAAttentionSpec like the target's, so its KV joins the MLA "
+                       "group"),
+            *(Assumption(f"{g.name}_params", g.num_params, "params", where) for g in groups),
+        ))
 
 
 def _nominal_weight_inputs(group_records: tuple[Assumption, ...]) -> tuple[str, ...]:
@@ -266,4 +348,5 @@ def _mi355x() -> HardwareSpec:
 
 
 MODELS: dict[str, ModelSpec] = {"kimi-k3.1-pro": _kimi_k3_1_pro()}
+DRAFTS: dict[str, DraftSpec] = {"kimi-k3-dspark": _k3_dspark()}
 HARDWARE: dict[str, HardwareSpec] = {"mi355x": _mi355x()}

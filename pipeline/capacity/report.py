@@ -2,27 +2,28 @@ r"""`moonserve plan`'s output: a plan as readable tables, or as a JSON-ready dic
 
 Example:
     >>> from moonserve.pipeline.capacity.plan import plan
-    >>> from moonserve.pipeline.capacity.registry import HARDWARE, MODELS
-    >>> p = plan(MODELS["kimi-k3.1-pro"], HARDWARE["mi355x"])
-    >>> print(format_plan(p).split("\n\n")[2])  # the memory section
-    HBM per GPU
-                     GB
-    weights          191.97
-    runtime reserve  7.00
-    used at start    198.97
-    KV/state pool    60.23
-    KV per token: 16,992 B (all layers, one copy); 16,992 B per GPU at DCP=1
-    KDA state per sequence: 299.6 MB (one copy); 37.4 MB per GPU
+    >>> from moonserve.pipeline.capacity.registry import (BRIEF_USED_BYTES_PER_GPU_AT_START,
+    ...     DRAFTS, HARDWARE, MODELS, k3_kv_cache_settings)
+    >>> p = plan(MODELS["kimi-k3.1-pro"], HARDWARE["mi355x"], draft=DRAFTS["kimi-k3-dspark"],
+    ...          kv_cache=k3_kv_cache_settings())
+    >>> b = compare_with_brief(p, BRIEF_USED_BYTES_PER_GPU_AT_START)
+    >>> print(format_plan(p, b).split("\n\n")[3].split("what")[0])  # the brief section
+    used per GPU at start       GB      source
+    brief                       199.00  brief: ~199 GB/GPU used at start (8x MI355X, TP=8), not itemized
+    derived                     197.49  used at start above
+    residual (derived - brief)  -1.51
+    <BLANKLINE>
     >>> plan_to_dict(p)["kv_bytes_per_token"]
-    16992.0
+    16704.0
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import dataclass
 
-from moonserve.pipeline.capacity.plan import GB, Plan
+from moonserve.pipeline.capacity.plan import GB, Assumption, Plan
 
 
 def plan_to_dict(p: Plan) -> dict:
@@ -30,14 +31,49 @@ def plan_to_dict(p: Plan) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(p)))
 
 
-def format_plan(p: Plan) -> str:
-    """Readable tables of the plan, ending with every assumption and its source."""
+@dataclass(frozen=True)
+class BriefComparison:
+    """The brief's per-GPU figure beside the derived one; the residual is printed, not judged."""
+
+    brief_bytes_per_gpu: float
+    brief_source: str
+    derived_bytes_per_gpu: float
+    residual_bytes_per_gpu: float  # derived - brief
+    explanation: tuple[str, ...]
+
+
+def compare_with_brief(p: Plan, brief: Assumption) -> BriefComparison:
+    """`p.used_bytes_per_gpu_at_start` beside the brief's figure, with what the residual holds."""
+    by_role: dict[str, float] = {}
+    for w in p.weights:
+        by_role[w.role] = by_role.get(w.role, 0.0) + w.bytes_per_gpu
+    target = p.weight_bytes_per_gpu - by_role.get("vision", 0.0) - by_role.get("draft", 0.0)
+    residual = p.used_bytes_per_gpu_at_start - brief.value
+    explanation = (
+        f"target LM weights {_gb(target)} GB: the brief's figure leaves "
+        f"{_gb(brief.value - target)} GB for everything else",
+        f"in-engine ViT + projector {_gb(by_role.get('vision', 0.0))} GB (derived from vLLM's "
+        "KimiK3VisionConfig defaults)",
+        f"draft model {_gb(by_role.get('draft', 0.0))} GB"
+        + (f" ({p.draft_name})" if p.draft_name else " (no draft planned)"),
+        f"runtime reserve {_gb(p.runtime_reserve_bytes_per_gpu)} GB: assumptions, not "
+        "measurements; the engine's start log ('Available KV cache memory') replaces them",
+        "the brief does not itemize its ~199 GB, so the residual cannot be attributed further",
+    )
+    return BriefComparison(brief.value, brief.source, p.used_bytes_per_gpu_at_start, residual,
+                           explanation)
+
+
+def format_plan(p: Plan, brief: BriefComparison | None = None) -> str:
+    """Readable tables of the plan, the brief comparison, and every assumption with its source."""
     sections = [
         f"moonserve plan: {p.model_name} on {p.hardware_name}, TP={p.tensor_parallel_size}, "
         f"DCP={p.decode_context_parallel_size}, gpu_memory_utilization={p.gpu_memory_utilization}"
-        f"  (GB = 1e9 bytes)",
-        _format_weights(p), _format_memory(p), _format_requests(p),
-        _format_concurrency(p), _format_roofline(p), _format_assumptions(p),
+        f", draft={p.draft_name or 'none'}, num_speculative_tokens={p.num_speculative_tokens}, "
+        f"mamba_cache_mode={p.mamba_cache_mode}  (GB = 1e9 bytes)",
+        _format_weights(p), _format_memory(p), *([_format_brief(brief)] if brief else []),
+        _format_kv_layout(p), _format_requests(p), _format_concurrency(p), _format_roofline(p),
+        _format_assumptions(p),
     ]
     return "\n\n".join(sections) + "\n"
 
@@ -65,18 +101,48 @@ def _format_weights(p: Plan) -> str:
 
 
 def _format_memory(p: Plan) -> str:
-    rows = [
-        ("weights", _gb(p.weight_bytes_per_gpu)),
-        ("runtime reserve", _gb(p.runtime_reserve_bytes_per_gpu)),
-        ("used at start", _gb(p.used_bytes_per_gpu_at_start)),
-        ("KV/state pool", _gb(p.kv_pool_bytes_per_gpu)),
-    ]
-    per_token = (f"KV per token: {p.kv_bytes_per_token:,.0f} B (all layers, one copy); "
-                 f"{p.kv_bytes_per_token_per_gpu:,.0f} B per GPU at "
+    rows = [("weights (target + ViT + draft)", _gb(p.weight_bytes_per_gpu), "table above")]
+    rows += [(f"reserve: {r.name}", _gb(r.bytes_per_gpu), r.source) for r in p.runtime_reserve]
+    rows += [("used at start (derived)", _gb(p.used_bytes_per_gpu_at_start), ""),
+             ("KV/state pool", _gb(p.kv_pool_bytes_per_gpu),
+              "gpu_memory_utilization * HBM - used at start")]
+    per_token = (f"KV per token: {p.kv_bytes_per_token:,.0f} B (all MLA layers incl. draft, one "
+                 f"copy, no indexer key); {p.kv_bytes_per_token_per_gpu:,.0f} B per GPU at "
                  f"DCP={p.decode_context_parallel_size}")
-    per_seq = (f"KDA state per sequence: {p.state_bytes_per_sequence / 1e6:,.1f} MB (one copy); "
+    per_seq = (f"KDA state per sequence, one page per layer: "
+               f"{p.state_bytes_per_sequence / 1e6:,.1f} MB (one copy); "
                f"{p.state_bytes_per_sequence_per_gpu / 1e6:,.1f} MB per GPU")
-    return "HBM per GPU\n" + _table(("", "GB"), rows) + "\n" + per_token + "\n" + per_seq
+    table = _table(("HBM per GPU", "GB", "source"), rows)
+    return table + "\n" + per_token + "\n" + per_seq
+
+
+def _format_brief(b: BriefComparison) -> str:
+    rows = [("brief", _gb(b.brief_bytes_per_gpu), b.brief_source),
+            ("derived", _gb(b.derived_bytes_per_gpu), "used at start above"),
+            ("residual (derived - brief)", f"{b.residual_bytes_per_gpu / GB:+,.2f}", "")]
+    lines = "\n".join(f"  - {e}" for e in b.explanation)
+    return (_table(("used per GPU at start", "GB", "source"), rows)
+            + "\nwhat the residual holds:\n" + lines)
+
+
+def _format_kv_layout(p: Plan) -> str:
+    k = p.kv_layout
+    rows = [
+        ("MLA bytes per token per layer", f"{k.mla_bytes_per_token_per_layer:,.0f}"),
+        ("KDA state per layer per GPU", f"{k.kda_state_bytes_per_layer:,.0f}"),
+        ("block size (tokens)", k.block_size),
+        ("page per layer", f"{k.page_bytes:,.0f}"),
+        ("KDA page padding", f"{k.kda_page_padding_bytes:,.0f}"),
+        ("MLA layers (target + draft)", k.num_mla_layers),
+        ("group size / MLA groups / KDA groups", f"{k.group_size} / {k.num_mla_groups} / "
+                                                 f"{k.num_kda_groups}"),
+        ("padding layers (MLA / KDA)", f"{k.mla_padding_layers} / {k.kda_padding_layers}"),
+        ("bytes per block per GPU", f"{k.bytes_per_block:,.0f}"),
+        ("KDA pages per sequence per group", k.kda_pages_per_sequence),
+    ]
+    title = ("KV cache layout per GPU (vLLM: platforms/interface.py _align_hybrid_block_size, "
+             "v1/core/kv_cache_utils.py groups)")
+    return title + "\n" + _table(("", "bytes / count"), rows)
 
 
 def _format_requests(p: Plan) -> str:
@@ -85,7 +151,7 @@ def _format_requests(p: Plan) -> str:
             for r in p.max_context_requests]
     headers = ("DCP", "KV GB/GPU", "state GB/GPU", "GB/GPU", "GB/node", "fits")
     context_len = p.max_context_requests[0].context_len
-    return f"One {context_len:,}-token request\n" + _table(headers, rows)
+    return (f"One {context_len:,}-token request (whole blocks)\n" + _table(headers, rows))
 
 
 def _format_concurrency(p: Plan) -> str:

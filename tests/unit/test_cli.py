@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 
@@ -14,12 +16,13 @@ def moonserve(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300, cwd=REPO)
 
 
-def test_plan_json_reproduces_the_brief():
+def test_plan_json_sets_the_brief_beside_the_derived_figure():
     out = moonserve("plan", "--json")
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
-    assert plan["brief_violations"] == []
-    assert abs(plan["used_bytes_per_gpu_at_start"] / 1e9 - 199) < 0.05 * 199
+    b = plan["brief_comparison"]
+    assert b["brief_bytes_per_gpu"] == 199e9
+    assert b["residual_bytes_per_gpu"] == pytest.approx(plan["used_bytes_per_gpu_at_start"] - 199e9)
 
 
 def test_plan_rejects_a_layout_vllm_would_refuse():
