@@ -27,14 +27,21 @@ from moonserve.pipeline.api.auth import ApiKeys
 from moonserve.pipeline.api.body import parse_body, read_body
 from moonserve.pipeline.api.errors import APIError, bad_request
 from moonserve.pipeline.api.lanes import Lanes, Slot
-from moonserve.pipeline.api.limits import check_chat_limits, check_completion_limits
-from moonserve.pipeline.api.prompt import PromptBuilder, resolve_max_tokens
+from moonserve.pipeline.api.limits import (
+    check_chat_limits,
+    check_completion_limits,
+    check_message_limits,
+    check_prompt_chars,
+)
+from moonserve.pipeline.api.prompt import PromptBuilder, check_token_ids, resolve_max_tokens
 from moonserve.pipeline.api.protocol import (
     ChatCompletionRequest,
     Completion,
     CompletionRequest,
+    DetokenizeRequest,
     GenerateRequest,
     ModelInfo,
+    TokenizeRequest,
     sampling_spec,
 )
 from moonserve.pipeline.api.streaming import ResponseFormat, StreamEncoder, sse
@@ -75,6 +82,8 @@ class Router:
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/tokenize", self.tokenize_endpoint, methods=["POST"])
+        app.add_api_route("/detokenize", self.detokenize_endpoint, methods=["POST"])
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_exception_handler(APIError, api_error_response)
         app.add_exception_handler(StarletteHTTPException, http_error_response)
@@ -103,7 +112,8 @@ class Router:
         placeholder = "" if self.images is None else self.images.placeholder
         try:
             prompt_ids = await self.tokenize(
-                lambda b: self.prompts.chat_prompt_ids(b, placeholder, images.num_tokens()), body,
+                lambda b: self.prompts.chat_prompt_ids(b.messages, placeholder, images.num_tokens(),
+                                                       template_kwargs=b.chat_template_kwargs), body,
                 sum(len(m.text()) for m in body.messages))
         except BaseException:
             images.release()
@@ -121,12 +131,15 @@ class Router:
         parts = body.image_parts()
         if not parts:
             return EncodingImages.none()
+        self.check_vision(parts)
+        return await self.images.start(parts)
+
+    def check_vision(self, parts: list[tuple[int, int, str]]) -> None:
         if self.images is None:
             i, j, _ = parts[0]
             raise bad_request(f"messages[{i}].content[{j}]: this server has no vision "
                               "deployments; send text only", f"messages[{i}].content[{j}]",
                               "images_not_supported")
-        return await self.images.start(parts)
 
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
@@ -137,6 +150,42 @@ class Router:
                                          len(body.prompt))
         job = Job(f"cmpl-{uuid.uuid4().hex}", body, prompt_ids, info, "prompt", chat=False)
         return await self.admit_and_respond(request, job, arrival)
+
+    async def tokenize_endpoint(self, request: Request) -> dict:
+        """vLLM's `POST /tokenize`: the prompt ids a completion or chat request would get (images
+        preprocessed to count their tokens, not encoded)."""
+        body = await self.parse(request, TokenizeRequest)
+        info = await (self.model_info() if body.model is None else self.check_model(body.model))
+        if body.prompt is not None:
+            check_prompt_chars(body.prompt, self.limits)
+            add_special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = await self.tokenize(
+                lambda b: self.prompts.tokenizer.encode(b.prompt, add_special_tokens=add_special),
+                body, len(body.prompt))
+        else:
+            parts = body.image_parts()
+            check_message_limits(body.messages, len(parts), self.limits)
+            image_tokens = []
+            if parts:
+                self.check_vision(parts)
+                image_tokens = [i.num_image_tokens for i in await self.images.layout(parts)]
+            ids = await self.tokenize(lambda b: self.prompts.chat_prompt_ids(
+                b.messages, self.images.placeholder if parts else "", image_tokens,
+                add_generation_prompt=b.add_generation_prompt,
+                template_kwargs=b.chat_template_kwargs), body,
+                sum(len(m.text()) for m in body.messages))
+            if body.add_special_tokens:
+                ids = self.prompts.tokenizer.build_inputs_with_special_tokens(ids)
+        strs = self.prompts.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids,
+                "token_strs": strs}
+
+    async def detokenize_endpoint(self, request: Request) -> dict:
+        """vLLM's `POST /detokenize`."""
+        body = await self.parse(request, DetokenizeRequest)
+        info = await (self.model_info() if body.model is None else self.check_model(body.model))
+        check_token_ids(body.tokens, info, "tokens")
+        return {"prompt": self.prompts.tokenizer.decode(body.tokens)}
 
     async def models(self, request: Request) -> dict:
         self.authenticate(request)
@@ -179,6 +228,7 @@ class Router:
         The slot is held until the last token is sent (a stream's response releases it)."""
         max_tokens = resolve_max_tokens(len(job.prompt_ids), job.body.requested_max_tokens(),
                                         job.info, job.prompt_param, self.limits.default_max_tokens)
+        check_token_ids(job.body.stop_token_ids or [], job.info, "stop_token_ids")
         lane = self.lanes.classify(len(job.prompt_ids), request.headers.get(self.hint_header))
         sampling = sampling_spec(job.body, max_tokens)
         trace = RequestTrace(self.metrics, lane, arrival)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from moonserve.pipeline.api.errors import bad_request
 from moonserve.pipeline.api.placeholders import expand_placeholders
-from moonserve.pipeline.api.protocol import ChatCompletionRequest, CompletionRequest, ModelInfo
+from jinja2 import TemplateError
+
+from moonserve.pipeline.api.protocol import ChatMessage, CompletionRequest, ModelInfo
 
 
 class PromptBuilder:
@@ -16,7 +18,7 @@ class PromptBuilder:
 
     Example:
         >>> builder = PromptBuilder.from_pretrained("/path/to/checkpoint")
-        >>> ids = builder.chat_prompt_ids(request)        # list[int]
+        >>> ids = builder.chat_prompt_ids(request.messages)        # list[int]
     """
 
     def __init__(self, tokenizer):
@@ -36,14 +38,22 @@ class PromptBuilder:
                              "set vision.image_placeholder to one of its special tokens")
         return ids[0]
 
-    def chat_prompt_ids(self, request: ChatCompletionRequest, image_placeholder: str = "",
-                        image_tokens: list[int] | None = None) -> list[int]:
-        """Prompt ids; with images, each image's placeholder expanded to its token count."""
-        conversation = [{"role": m.role, "content": m.render(image_placeholder)}
-                        for m in request.messages]
-        text = self.tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=True, tokenize=False
-        )
+    def chat_prompt_ids(self, messages: list[ChatMessage], image_placeholder: str = "",
+                        image_tokens: list[int] | None = None, *, add_generation_prompt: bool = True,
+                        template_kwargs: dict | None = None) -> list[int]:
+        """Prompt ids; with images, each image's placeholder expanded to its token count.
+        `template_kwargs` are extra variables of the chat template (a request's
+        `chat_template_kwargs`)."""
+        conversation = [{"role": m.role, "content": m.render(image_placeholder)} for m in messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=False,
+                **(template_kwargs or {}))
+        except TemplateError as exc:
+            if not template_kwargs:
+                raise
+            raise bad_request(f"chat_template_kwargs: the chat template failed with them: {exc}",
+                              "chat_template_kwargs") from None
         # The template writes the special tokens as text; don't add another BOS on top.
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         if not image_tokens:
@@ -57,14 +67,16 @@ class PromptBuilder:
     def completion_prompt_ids(self, request: CompletionRequest, info: ModelInfo) -> list[int]:
         if isinstance(request.prompt, str):
             return self.tokenizer.encode(request.prompt)
-        bad = next((i for i, t in enumerate(request.prompt) if not 0 <= t < info.vocab_size), None)
-        if bad is not None:
-            raise bad_request(
-                f"prompt[{bad}]: token id {request.prompt[bad]} is outside the vocabulary "
-                f"[0, {info.vocab_size})",
-                f"prompt[{bad}]",
-            )
+        check_token_ids(request.prompt, info, "prompt")
         return list(request.prompt)
+
+
+def check_token_ids(ids: list[int], info: ModelInfo, param: str) -> None:
+    """A 400 naming `param[i]` for the first id outside the model's vocabulary."""
+    bad = next((i for i, t in enumerate(ids) if not 0 <= t < info.vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"{param}[{bad}]: token id {ids[bad]} is outside the vocabulary "
+                          f"[0, {info.vocab_size})", f"{param}[{bad}]")
 
 
 def resolve_max_tokens(

@@ -18,8 +18,14 @@ from moonserve.pipeline.api.errors import bad_request
 # naming it instead of an answer that silently ignores it.
 UNSUPPORTED_CHAT_FIELDS = (
     "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "logit_bias",
-    "top_logprobs", "audio", "modalities", "prediction", "reasoning_effort", "web_search_options",
+    "audio", "modalities", "prediction", "reasoning_effort", "web_search_options",
 )
+# The most alternatives per token `top_logprobs` (chat) and `logprobs` (completions) may ask for:
+# OpenAI's limit for chat, and vLLM's default `max_logprobs`.
+MAX_LOGPROBS = 20
+# apply_chat_template arguments a request's `chat_template_kwargs` may not override.
+RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tokenize", "add_generation_prompt",
+                            "return_dict", "chat_template")
 UNSUPPORTED_COMPLETION_FIELDS = ("logit_bias", "suffix", "best_of")
 
 
@@ -89,8 +95,15 @@ class SamplingFields(RequestModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
-    logprobs: Any = None
-    # vLLM extension, used by benchmarks to produce a fixed number of tokens.
+    # vLLM's sampling extensions, with the ranges vLLM's SamplingParams accepts.
+    top_k: int | None = Field(None, ge=-1)  # 0 or -1: off
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, allow_inf_nan=False)
+    stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(0, ge=0)
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    # Used by benchmarks to produce a fixed number of tokens.
     ignore_eos: StrictBool = False
 
     @model_validator(mode="after")
@@ -102,8 +115,6 @@ class SamplingFields(RequestModel):
             raise bad_request("stop: at most 4 non-empty sequences", "stop")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options: only allowed when stream is true", "stream_options")
-        if self.logprobs not in (None, False, 0):
-            raise bad_request("logprobs: not supported by this server", "logprobs", "unsupported_parameter")
         return self
 
     def stop_list(self) -> list[str]:
@@ -111,6 +122,17 @@ class SamplingFields(RequestModel):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def num_logprobs(self) -> int | None:
+        """Alternatives per generated token to return (0: the sampled token's only); None: none."""
+        raise NotImplementedError
+
+
+def check_template_kwargs(kwargs: dict | None) -> None:
+    reserved = sorted(set(kwargs or ()) & set(RESERVED_TEMPLATE_KWARGS))
+    if reserved:
+        raise bad_request(f"chat_template_kwargs: {reserved[0]!r} is set by the server and cannot "
+                          "be overridden", f"chat_template_kwargs.{reserved[0]}")
 
 
 def reject_unsupported(model: BaseModel, names: tuple[str, ...]) -> None:
@@ -130,7 +152,8 @@ class ChatCompletionRequest(SamplingFields):
     functions: Any = None
     function_call: Any = None
     logit_bias: Any = None
-    top_logprobs: Any = None
+    logprobs: StrictBool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -138,10 +161,15 @@ class ChatCompletionRequest(SamplingFields):
     web_search_options: Any = None
     metadata: dict[str, StrictStr] | None = None
     store: StrictBool | None = None
+    # vLLM extension: extra arguments of the chat template (e.g. a thinking switch).
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_chat(self):
         reject_unsupported(self, UNSUPPORTED_CHAT_FIELDS)
+        if self.top_logprobs and not self.logprobs:
+            raise bad_request("top_logprobs: needs logprobs set to true", "top_logprobs")
+        check_template_kwargs(self.chat_template_kwargs)
         for i, j, _ in self.image_parts():
             if self.messages[i].role != "user":
                 raise bad_request(f"messages[{i}].content[{j}]: image parts are only allowed in "
@@ -160,6 +188,9 @@ class ChatCompletionRequest(SamplingFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(SamplingFields):
     model: StrictStr
@@ -168,6 +199,7 @@ class CompletionRequest(SamplingFields):
     suffix: Any = None
     best_of: Any = None
     logit_bias: Any = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="after")
     def _check_completion(self):
@@ -178,6 +210,39 @@ class CompletionRequest(SamplingFields):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class TokenizeRequest(RequestModel):
+    """vLLM's `POST /tokenize`: a completion `prompt` or chat `messages` (one of them)."""
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: StrictBool = True
+    # None: as the matching endpoint does (a BOS for prompts; the template's own for messages).
+    add_special_tokens: StrictBool | None = None
+    return_token_strs: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("prompt: send exactly one of prompt and messages", "prompt")
+        check_template_kwargs(self.chat_template_kwargs)
+        return self
+
+    def image_parts(self) -> list[tuple[int, int, str]]:
+        return [(i, j, url) for i, m in enumerate(self.messages or ()) for j, url in m.image_urls()]
+
+
+class DetokenizeRequest(RequestModel):
+    """vLLM's `POST /detokenize`."""
+
+    model: StrictStr | None = None
+    tokens: list[int]
 
 
 @dataclass(frozen=True)
@@ -191,7 +256,16 @@ class SamplingSpec:
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     ignore_eos: bool = False
+    # Alternatives per generated token to return with it; None: no logprobs.
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -222,18 +296,30 @@ class ImageInfo:
     pixel_values: Any
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token with its log-probability and the `top` alternatives (most likely
+    first), as (token text, logprob) pairs."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
 @dataclass
 class GenerationDelta:
     """LanguageModel -> Router: the text and tokens produced since the previous delta.
 
     When the router reads slower than the engine produces, vLLM merges pending outputs, so one
-    delta may carry several tokens; `num_tokens` says how many.
+    delta may carry several tokens; `num_tokens` says how many. `logprobs` has one entry per
+    token when the request asked for them.
     """
 
     text: str
     num_tokens: int
     num_prompt_tokens: int
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)
@@ -245,6 +331,9 @@ class ModelInfo:
 
 def sampling_spec(request: SamplingFields, max_tokens: int) -> SamplingSpec:
     """Map OpenAI sampling fields to a `SamplingSpec`, with OpenAI's defaults."""
+    if request.min_tokens > max_tokens:
+        raise bad_request(f"min_tokens: {request.min_tokens} is over the {max_tokens} tokens this "
+                          "request may generate (max_tokens and the context)", "min_tokens")
     return SamplingSpec(
         max_tokens=max_tokens,
         temperature=1.0 if request.temperature is None else request.temperature,
@@ -253,7 +342,15 @@ def sampling_spec(request: SamplingFields, max_tokens: int) -> SamplingSpec:
         seed=request.seed,
         presence_penalty=request.presence_penalty or 0.0,
         frequency_penalty=request.frequency_penalty or 0.0,
+        top_k=request.top_k or 0,
+        min_p=request.min_p or 0.0,
+        repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+        stop_token_ids=tuple(request.stop_token_ids or ()),
+        min_tokens=request.min_tokens,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        skip_special_tokens=request.skip_special_tokens,
         ignore_eos=request.ignore_eos,
+        logprobs=request.num_logprobs(),
     )
 
 
@@ -277,12 +374,16 @@ class Completion:
     text_parts: list[str] = field(default_factory=list)
     usage: Usage = field(default_factory=Usage)
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
 
     def add(self, delta: GenerationDelta) -> None:
         self.text_parts.append(delta.text)
         self.usage.prompt_tokens = delta.num_prompt_tokens
         self.usage.completion_tokens += delta.num_tokens
         self.finish_reason = delta.finish_reason or self.finish_reason
+        if delta.logprobs is not None:
+            self.logprobs = self.logprobs or []
+            self.logprobs.extend(delta.logprobs)
 
     @property
     def text(self) -> str:

@@ -1,7 +1,7 @@
 """A vLLM general plugin (entry point `vllm.general_plugins` in pyproject.toml): vLLM loads it in
 every process it starts, engine workers included, before any model runs.
 
-Two fixes for vLLM 0.32's CPU build; on GPUs nothing changes.
+Three fixes for vLLM 0.32's CPU build; on GPUs nothing changes.
 
 1. Seeded long prompts. A seeded request (`seed` in the API) whose sampled token is discarded (a
    partial prefill chunk: any prompt longer than one engine step's token budget) makes the model
@@ -20,6 +20,12 @@ Two fixes for vLLM 0.32's CPU build; on GPUs nothing changes.
    98 times in 400 samples, and a junk token 182 times. On CPU the expansion is plain torch.
    `tests/server/test_speculative_server.py` checks sampled tokens against the model's exact
    distribution.
+
+3. Top-k with speculation. In a step whose requests have no draft positions, the rejection sampler
+   still applies top-k to its zero rows of draft logits, and the CPU build's top-k (`k.max()` over
+   an empty tensor) raises, which kills the engine and every request in it; a request with
+   `top_k` did this within its first tokens (tests/server/test_sampling_extensions.py). On CPU,
+   zero rows skip the constraint (there is nothing to constrain).
 """
 
 from __future__ import annotations
@@ -66,7 +72,16 @@ def expand_batch_to_tokens(x, cu_num_tokens, num_tokens: int, replace_from=0, re
 
 
 def expand_draft_sampling_params() -> None:
-    # apply_sampling_constraints looks the function up in its module at each call.
+    # apply_sampling_constraints looks both functions up in its module at each call.
     from vllm.v1.sample import rejection_sampler
 
     rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
+    top_k_top_p = rejection_sampler.apply_top_k_top_p
+    if getattr(top_k_top_p, "moonserve_empty_rows", False):
+        return
+
+    def apply_top_k_top_p(logits, k, p):
+        return logits if logits.shape[0] == 0 else top_k_top_p(logits, k, p)
+
+    apply_top_k_top_p.moonserve_empty_rows = True
+    rejection_sampler.apply_top_k_top_p = apply_top_k_top_p

@@ -26,8 +26,12 @@ class ImageFanIn:
         self.encoder = encoder
 
     async def start(self, parts: list[tuple[int, int, str]]) -> EncodingImages:
-        infos = await asyncio.gather(*(self.preprocess(i, j, url) for i, j, url in parts))
-        return EncodingImages(list(infos), [self.encoder.encode.remote(info) for info in infos])
+        infos = await self.layout(parts)
+        return EncodingImages(infos, [self.encoder.encode.remote(info) for info in infos])
+
+    async def layout(self, parts: list[tuple[int, int, str]]) -> list[ImageInfo]:
+        """Every image preprocessed (its token count known), none encoded."""
+        return list(await asyncio.gather(*(self.preprocess(i, j, url) for i, j, url in parts)))
 
     async def preprocess(self, i: int, j: int, url: str) -> ImageInfo:
         try:

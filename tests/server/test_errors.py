@@ -25,7 +25,7 @@ CHAT_CASES = [
     (chat(n=2), 400, "n", "n=1"),
     (chat(stop=["a", "b", "c", "d", "e"]), 400, "stop", "at most 4"),
     (chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", "not supported"),
-    (chat(logprobs=True), 400, "logprobs", "not supported"),
+    (chat(logprobs=1), 400, "logprobs", "valid boolean"),
     (chat(response_format={"type": "json_object"}), 400, "response_format", "text"),
     (chat(frobnicate=1), 400, "frobnicate", "Unrecognized request argument"),
     (chat(stream_options={"include_usage": True}), 400, "stream_options", "stream"),

@@ -20,7 +20,8 @@ from tests.conftest import MODEL
 CHAT_EXAMPLES = 1500
 COMPLETION_EXAMPLES = 500
 RAW_EXAMPLES = 300
-tried = {"chat": 0, "completions": 0, "raw": 0}
+TOKENIZE_EXAMPLES = 200
+tried = {"chat": 0, "completions": 0, "raw": 0, "tokenize": 0}
 
 json_scalar = (st.none() | st.booleans() | st.integers(-(2**70), 2**70)
                | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12))
@@ -50,10 +51,20 @@ sampling = {
     "frequency_penalty": either(st.floats(-3, 3)),
     "stream": either(st.booleans()),
     "stream_options": either(st.fixed_dictionaries({"include_usage": st.booleans()})),
-    "logprobs": json_value,
+    "logprobs": either(st.booleans() | st.integers(-1, 21)),
+    "top_logprobs": either(st.integers(-1, 21)),
     "tools": json_value,
     "user": either(st.text(max_size=8)),
     "ignore_eos": either(st.booleans()),
+    "top_k": either(st.integers(-2, 50)),
+    "min_p": either(st.floats(-0.5, 1.5)),
+    "repetition_penalty": either(st.floats(-1, 3)),
+    "stop_token_ids": either(st.lists(st.integers(-5, 60000), max_size=3)),
+    "min_tokens": either(st.integers(-1, 3)),
+    "include_stop_str_in_output": either(st.booleans()),
+    "skip_special_tokens": either(st.booleans()),
+    "chat_template_kwargs": either(st.dictionaries(st.sampled_from(["enable_thinking", "tokenize", "x"]),
+                                                   st.booleans(), max_size=2)),
 }
 chat_body = st.fixed_dictionaries(
     {}, optional={"model": either(st.sampled_from([MODEL, "gpt-4o"])),
@@ -64,6 +75,14 @@ completion_body = st.fixed_dictionaries(
     {}, optional={"model": either(st.just(MODEL)),
                   "prompt": either(st.text(max_size=40) | st.lists(st.integers(-5, 60000), max_size=8)),
                   "echo": json_value, "suffix": json_value, **sampling})
+
+tokenize_body = st.fixed_dictionaries(
+    {}, optional={"model": either(st.just(MODEL)), "prompt": either(st.text(max_size=40)),
+                  "messages": either(st.lists(message, max_size=2)),
+                  "tokens": either(st.lists(st.integers(-5, 60000), max_size=8)),
+                  "add_generation_prompt": either(st.booleans()),
+                  "add_special_tokens": either(st.booleans()),
+                  "return_token_strs": either(st.booleans()), "surprise": json_value})
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +128,16 @@ def test_fuzz_completions(fuzz_url, body):
     check_response(fuzz_url.post("/v1/completions", json=body), body.get("stream") is True)
 
 
+@settings(max_examples=TOKENIZE_EXAMPLES, **FUZZ_SETTINGS)
+@given(body=tokenize_body, path=st.sampled_from(["/tokenize", "/detokenize"]))
+def test_fuzz_tokenize(fuzz_url, body, path):
+    tried["tokenize"] += 1
+    r = fuzz_url.post(path, json=body)
+    assert r.status_code < 500, f"{r.status_code}: {r.text[:500]}"
+    if r.status_code != 200:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
 @settings(max_examples=RAW_EXAMPLES, **FUZZ_SETTINGS)
 @given(raw=st.binary(max_size=200) | st.text(max_size=100).map(lambda t: t.encode("utf-8", "surrogatepass")))
 def test_fuzz_raw_bytes(fuzz_url, raw):
@@ -123,4 +152,4 @@ def test_fuzz_counts(fuzz_url):
     if total == 0:
         pytest.skip("the fuzz tests were deselected")
     print(f"\nfuzzed inputs tried: {tried} total={total}")
-    assert total >= CHAT_EXAMPLES + COMPLETION_EXAMPLES + RAW_EXAMPLES
+    assert total >= CHAT_EXAMPLES + COMPLETION_EXAMPLES + RAW_EXAMPLES + TOKENIZE_EXAMPLES
