@@ -21,7 +21,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from moonserve.pipeline.config import DraftConfig, EngineConfig, LanguageModelConfig
-from moonserve.pipeline.api.protocol import GenerateRequest, GenerationDelta, ModelInfo, SamplingSpec
+from moonserve.pipeline.api.protocol import (
+    GenerateRequest,
+    GenerationDelta,
+    ModelInfo,
+    SamplingSpec,
+    TokenLogprob,
+)
 from moonserve.pipeline.models.weights import TOKEN_EMBEDDING_NAMES, find_tensor, read_tensors, tensor_files
 
 logger = logging.getLogger("moonserve.language_model")
@@ -101,9 +107,26 @@ def engine_args(engine: EngineConfig, model_path: str, draft: DraftConfig | None
         gpu_memory_utilization=engine.gpu_memory_utilization,
         trust_remote_code=engine.trust_remote_code,
         enable_prompt_embeds=engine.enable_prompt_embeds,
+        mm_encoder_tp_mode=engine.mm_encoder_tp_mode,
+        compilation_config=engine.compilation_config(),
         speculative_config=draft.speculative_config() if draft is not None else None,
         disable_log_stats=False,
     )
+
+
+def token_logprobs(token_ids, logprobs, num_top: int | None) -> list[TokenLogprob] | None:
+    """vLLM's per-token {token id: Logprob} maps as `TokenLogprob`s: the sampled token's, and its
+    `num_top` most likely alternatives (vLLM's map holds the top ones plus the sampled one)."""
+    if num_top is None or logprobs is None:
+        return None
+    out = []
+    for token_id, candidates in zip(token_ids, logprobs):
+        sampled = candidates[token_id]
+        top = sorted((c for c in candidates.values() if c.rank is not None and c.rank <= num_top),
+                     key=lambda c: c.rank)
+        out.append(TokenLogprob(sampled.decoded_token or "", sampled.logprob,
+                                tuple((c.decoded_token or "", c.logprob) for c in top)))
+    return out
 
 
 def load_token_embeddings(model_path: str):
@@ -128,27 +151,54 @@ def sampling_params(spec: SamplingSpec):
         seed=spec.seed,
         presence_penalty=spec.presence_penalty,
         frequency_penalty=spec.frequency_penalty,
+        top_k=spec.top_k,
+        min_p=spec.min_p,
+        repetition_penalty=spec.repetition_penalty,
+        stop_token_ids=list(spec.stop_token_ids),
+        min_tokens=spec.min_tokens,
+        include_stop_str_in_output=spec.include_stop_str_in_output,
+        skip_special_tokens=spec.skip_special_tokens,
         ignore_eos=spec.ignore_eos,
+        logprobs=spec.logprobs,
         # Deltas, so each chunk carries only new text; vLLM merges deltas the consumer has not
         # read yet, which batches tokens under load without adding a timer to the stream.
         output_kind=RequestOutputKind.DELTA,
     )
 
 
+# vLLM's Ray executor copies to its TP workers only VLLM_*, NCCL_*, HF_*... and the names listed
+# here (vllm/ray/ray_env.py `get_env_vars_to_copy`); the copy is taken when the engine starts.
+RAY_COPY_LIST = "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"
+
+
+def add_to_ray_copy_list(environ, names) -> None:
+    """Append `names` to vLLM's Ray copy list in `environ`, keeping what the config listed."""
+    listed = [n.strip() for n in environ.get(RAY_COPY_LIST, "").split(",") if n.strip()]
+    environ[RAY_COPY_LIST] = ",".join(dict.fromkeys([*listed, *names]))
+
+
+def export_draft_env(draft: DraftConfig, socket_path: str, environ=os.environ) -> None:
+    """Name the DraftService endpoint to the proposer in every engine worker: the variables are
+    set in this replica and added to the list vLLM's Ray executor copies to its TP workers."""
+    from moonserve.pipeline.engine.proposer import ENV_DEADLINE_MS, ENV_SOCKET
+
+    environ[ENV_SOCKET] = socket_path
+    environ[ENV_DEADLINE_MS] = str(draft.deadline_ms)
+    add_to_ray_copy_list(environ, (ENV_SOCKET, ENV_DEADLINE_MS))
+
+
 def start_draft_resolver(draft: DraftConfig, draft_service):
     """With `draft.mode: service`: where vLLM's proposer asks for the DraftService's address,
-    named to the engine's workers by environment variables (they inherit this process's)."""
+    named to the engine's workers by environment variables (`export_draft_env`)."""
     if draft.mode != "service":
         return None
     if draft_service is None:
         raise ValueError("draft.mode is service but no DraftService handle was bound")
     from moonserve.pipeline.speculative.endpoint import EndpointResolver
-    from moonserve.pipeline.engine.proposer import ENV_DEADLINE_MS, ENV_SOCKET
 
     resolver = EndpointResolver(draft_service, draft.service_timeout_s)
     resolver.start()
-    os.environ[ENV_SOCKET] = resolver.path
-    os.environ[ENV_DEADLINE_MS] = str(draft.deadline_ms)
+    export_draft_env(draft, resolver.path)
     return resolver
 
 
@@ -223,6 +273,8 @@ class LanguageModel:
                     num_tokens=len(completion.token_ids),
                     num_prompt_tokens=num_prompt_tokens,
                     finish_reason=completion.finish_reason if finished else None,
+                    logprobs=token_logprobs(completion.token_ids, completion.logprobs,
+                                            request.sampling.logprobs),
                 )
         finally:
             if not finished:

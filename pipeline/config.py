@@ -139,6 +139,14 @@ class EngineConfig(StrictModel):
     trust_remote_code: bool = False
     # Multimodal requests reach vLLM as prompt embeddings (needed when `vision` is on).
     enable_prompt_embeds: bool = False
+    # vLLM's `mm_encoder_tp_mode` for an in-engine vision tower: "data" runs it replicated per
+    # rank (K3's ViT heads do not divide TP 8); None: vLLM's default.
+    mm_encoder_tp_mode: Literal["weights", "data"] | None = None
+    # vLLM's `compilation_config.cudagraph_mode` (e.g. FULL_DECODE_ONLY) and `custom_ops`
+    # (e.g. "+fused_rms_norm_gated"); None / empty: vLLM's defaults.
+    cudagraph_mode: Literal["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY",
+                            "FULL_AND_PIECEWISE"] | None = None
+    custom_ops: tuple[str, ...] = ()
 
     @model_validator(mode="after")
     def _background_needs_lane_scheduler(self) -> EngineConfig:
@@ -158,6 +166,11 @@ class EngineConfig(StrictModel):
         return {"moonserve_lanes": {
             "background_priority": self.background_priority,
             "background_prefill_chunk_tokens": self.background_prefill_chunk_tokens}}
+
+    def compilation_config(self) -> dict:
+        """vLLM's `compilation_config` overrides ({}: vLLM's defaults)."""
+        config = {"cudagraph_mode": self.cudagraph_mode} if self.cudagraph_mode else {}
+        return config | ({"custom_ops": list(self.custom_ops)} if self.custom_ops else {})
 
     def model_name(self) -> str:
         if self.served_model_name:
@@ -357,8 +370,9 @@ class DraftConfig(StrictModel):
     - `service`: the DraftService deployment drafts (`drafter`), called every engine step by the
       LM's proposer (`moonserve.pipeline.engine.proposer`) over a direct connection. A call that misses
       `deadline_ms` yields no drafts for that step; the service down = no speculation.
-    - `inline`: vLLM's own in-engine method: `dspark` (weights inside the target checkpoint; GPU
-      only, production) or `ngram` (prompt lookup in the engine; the benchmark's baseline).
+    - `inline`: vLLM's own in-engine method: `dspark` (the separate DSpark draft checkpoint named by
+      `model`, a `K3DSparkModel`; GPU only, production) or `ngram` (prompt lookup in the engine;
+      the benchmark's baseline).
     - `off`: no speculation.
     """
 
@@ -369,7 +383,15 @@ class DraftConfig(StrictModel):
     ngram_min: PositiveInt = 2
     ngram_max: PositiveInt = 5
     # DSpark drafter weights (`embedded`: built by `moonserve prepare` from the embedded target).
+    # With `inline`: vLLM's `speculative_config.model`; without it vLLM would read the draft from
+    # the target checkpoint and, for K3, resolve it as DeepSeek-V4's `DSparkDraftModel`.
     model: str = EMBEDDED_MODEL
+    # Inline dspark only (vLLM's speculative_config): the draft's attention backend (a vLLM
+    # AttentionBackendEnum name such as TRITON_MLA; None: vLLM picks), how the draft samples and
+    # how vLLM verifies a drafted block.
+    attention_backend: str | None = None
+    draft_sample_method: Literal["greedy", "probabilistic"] = "greedy"
+    rejection_sample_method: Literal["standard", "block"] = "standard"
     # Budget of one draft call as the engine step sees it; past it the step drafts nothing.
     deadline_ms: PositiveFloat = 25.0
     # After answering step t, draft step t+1 assuming all of step t's drafts are accepted.
@@ -402,7 +424,10 @@ class DraftConfig(StrictModel):
         if self.drafter == "ngram":
             return {"method": "ngram", "num_speculative_tokens": k,
                     "prompt_lookup_min": self.ngram_min, "prompt_lookup_max": self.ngram_max}
-        return {"method": "dspark", "num_speculative_tokens": k}
+        backend = {"attention_backend": self.attention_backend} if self.attention_backend else {}
+        return {"method": "dspark", "model": self.model, "num_speculative_tokens": k,
+                "draft_sample_method": self.draft_sample_method,
+                "rejection_sample_method": self.rejection_sample_method, **backend}
 
 
 class RouterConfig(StrictModel):
@@ -463,6 +488,10 @@ class AppConfig(StrictModel):
             raise ValueError("draft.mode inline with drafter dspark needs a target checkpoint that "
                              "ships DSpark weights (Kimi K3, GPU); the embedded model has none: "
                              "use draft.mode service")
+        if self.draft.mode == "inline" and self.draft.drafter == "dspark" and \
+                self.draft.model == EMBEDDED_MODEL:
+            raise ValueError("draft.mode inline with drafter dspark needs draft.model: the DSpark "
+                             "draft checkpoint (K3DSparkModel), e.g. /models/kimi-k3.1-pro-dspark")
         return self
 
 

@@ -111,16 +111,23 @@ def apply_config_to_plan(args: argparse.Namespace) -> None:
         return
     from moonserve.pipeline.config import load_app_config
 
-    engine = load_app_config(args.config).language_model.engine
+    app = load_app_config(args.config)
+    engine, draft = app.language_model.engine, app.draft
     args.tensor_parallel_size = engine.tensor_parallel_size
     args.decode_context_parallel_size = engine.decode_context_parallel_size
     args.gpu_memory_utilization = engine.gpu_memory_utilization
     args.enable_prefix_caching = engine.enable_prefix_caching
+    # Only an inline DSpark draft shares the LM's GPUs (the DraftService has its own).
+    if draft.mode == "inline" and draft.drafter == "dspark":
+        args.num_speculative_tokens = draft.num_speculative_tokens
+    else:
+        args.draft = "none"
     print(f"plan: engine settings from {args.config}: tensor_parallel_size "
           f"{engine.tensor_parallel_size}, decode_context_parallel_size "
           f"{engine.decode_context_parallel_size}, gpu_memory_utilization "
           f"{engine.gpu_memory_utilization}, enable_prefix_caching "
-          f"{engine.enable_prefix_caching}", file=sys.stderr)
+          f"{engine.enable_prefix_caching}, draft {args.draft} "
+          f"(k={args.num_speculative_tokens})", file=sys.stderr)
 
 
 def plan_model(args: argparse.Namespace):

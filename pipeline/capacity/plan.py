@@ -17,11 +17,11 @@ Example:
     >>> p = plan(MODELS["kimi-k3.1-pro"], HARDWARE["mi355x"], draft=DRAFTS["kimi-k3-dspark"],
     ...          kv_cache=KVCacheSettings(num_speculative_tokens=7))
     >>> round(p.used_bytes_per_gpu_at_start / 1e9, 2)
-    197.49
+    196.31
     >>> p.kv_layout.block_size, p.kv_layout.group_size, p.kv_layout.kda_padding_layers
     (1536, 29, 18)
     >>> [(row.context_len, row.max_concurrent_requests) for row in p.concurrency]
-    [(8192, 80), (131072, 21), (1048576, 3)]
+    [(8192, 81), (131072, 22), (1048576, 3)]
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ BRIEF_USED_BYTES_PER_GPU_AT_START = Assumption(
 
 # Engine settings of configs/mi355x-k3.1-pro.yaml and the K3 recipes the planner sizes by default.
 K3_RECIPE_NUM_SPECULATIVE_TOKENS = 7  # K3 DSpark recipes; lightseekorg/kimi-k3-dspark: "up to 7"
-K3_MAX_NUM_BATCHED_TOKENS = 8192  # configs/mi355x-k3.1-pro.yaml engine.max_num_batched_tokens
+K3_MAX_NUM_BATCHED_TOKENS = 4096  # configs/mi355x-k3.1-pro.yaml engine.max_num_batched_tokens
 
 
 def k3_kv_cache_settings(num_speculative_tokens: int = K3_RECIPE_NUM_SPECULATIVE_TOKENS,
@@ -143,11 +143,12 @@ def _kimi_k3_runtime_reserve(hidden_size: int, top_k: int) -> tuple[Assumption, 
     tokens = K3_MAX_NUM_BATCHED_TOKENS
     return (
         Assumption("moe_workspace_bytes_per_gpu", tokens * top_k * hidden_size * 2, "bytes",
-                   "assumption: fused-MoE workspace max_num_batched_tokens (8192) x top_k (16) x "
+                   f"assumption: fused-MoE workspace max_num_batched_tokens ({tokens}) x top_k "
+                   f"({top_k}) x "
                    "hidden_size x 2 B (bf16, workspace sized M*topk*max(N, K)) at the profile "
                    "run's peak, because vLLM measures the real peak only at start"),
         Assumption("activation_bytes_per_gpu", tokens * hidden_size * 2 * 4, "bytes",
-                   "assumption: 4 live [8192, hidden_size] bf16 activations (hidden, residual, "
+                   f"assumption: 4 live [{tokens}, hidden_size] bf16 activations (hidden, residual, "
                    "attention in/out) beside the MoE workspace, because vLLM measures the real "
                    "peak only at start"),
         Assumption("cudagraph_pool_bytes_per_gpu", 1 * GB, "bytes",

@@ -10,8 +10,8 @@ Example:
     >>> print(format_plan(p, b).split("\n\n")[3].split("what")[0])  # the brief section
     used per GPU at start       GB      source
     brief                       199.00  brief: ~199 GB/GPU used at start (8x MI355X, TP=8), not itemized
-    derived                     197.49  used at start above
-    residual (derived - brief)  -1.51
+    derived                     196.31  used at start above
+    residual (derived - brief)  -2.69
     <BLANKLINE>
     >>> plan_to_dict(p)["kv_bytes_per_token"]
     16704.0

