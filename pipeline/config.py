@@ -24,6 +24,7 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     SecretStr,
+    field_validator,
     model_validator,
 )
 
@@ -402,6 +403,12 @@ class DraftConfig(StrictModel):
     sessions: SessionLimits = SessionLimits()
     num_gpus: float = Field(0.0, ge=0)
     deployment: DeploymentOptions = DeploymentOptions(max_ongoing_requests=64)
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _yaml_off(cls, value):
+        # YAML 1.1 reads a bare `off` as false: `draft: {mode: off}` means "off".
+        return "off" if value is False else value
 
     @model_validator(mode="after")
     def _coherent(self) -> DraftConfig:

@@ -211,3 +211,38 @@ def test_draft_modes_become_vllm_speculative_configs():
                                   "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     local = load_app_config(LOCAL_CONFIG).draft
     assert (local.mode, local.drafter) == ("service", "ngram")
+
+
+def readme_yaml_lines() -> list[str]:
+    """Each line of the README's ```yaml blocks: one `key: {...}` of the app's args each (the
+    blocks list alternatives, so a block is not one document)."""
+    from tests.conftest import REPO
+
+    lines, inside = [], False
+    for line in (REPO / "README.md").read_text().splitlines():
+        if line.startswith("```"):
+            inside = line == "```yaml"
+        elif inside and line.strip() and not line.lstrip().startswith("#"):
+            lines.append(line)
+    return lines
+
+
+@pytest.mark.parametrize("line", readme_yaml_lines())
+def test_every_yaml_line_in_the_readme_validates(line):
+    """What a user copies from the README into a config's args is accepted as written."""
+    snippet = yaml.safe_load(line)
+    args = local_args()
+    for key, value in snippet.items():
+        args[key] = {**args.get(key, {}), **value} if isinstance(value, dict) else value
+    AppConfig.model_validate(args)
+
+
+def test_the_readme_has_yaml_to_check():
+    assert any("mode: off" in line for line in readme_yaml_lines())
+
+
+def test_a_bare_yaml_off_is_mode_off():
+    args = local_args()
+    args["draft"] = yaml.safe_load("{mode: off}")
+    assert args["draft"]["mode"] is False  # what YAML 1.1 makes of it
+    assert AppConfig.model_validate(args).draft.mode == "off"
