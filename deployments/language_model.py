@@ -13,6 +13,7 @@ Example (without Serve):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -140,26 +141,13 @@ def load_token_embeddings(model_path: str):
 
 
 def sampling_params(spec: SamplingSpec):
+    """`SamplingSpec`'s fields are named as vLLM's `SamplingParams` arguments."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    fields = dataclasses.asdict(spec)
     return SamplingParams(
-        max_tokens=spec.max_tokens,
-        temperature=spec.temperature,
-        top_p=spec.top_p,
-        stop=list(spec.stop),
-        seed=spec.seed,
-        presence_penalty=spec.presence_penalty,
-        frequency_penalty=spec.frequency_penalty,
-        top_k=spec.top_k,
-        min_p=spec.min_p,
-        repetition_penalty=spec.repetition_penalty,
-        stop_token_ids=list(spec.stop_token_ids),
-        min_tokens=spec.min_tokens,
-        include_stop_str_in_output=spec.include_stop_str_in_output,
-        skip_special_tokens=spec.skip_special_tokens,
-        ignore_eos=spec.ignore_eos,
-        logprobs=spec.logprobs,
+        **fields | {"stop": list(spec.stop), "stop_token_ids": list(spec.stop_token_ids)},
         # Deltas, so each chunk carries only new text; vLLM merges deltas the consumer has not
         # read yet, which batches tokens under load without adding a timer to the stream.
         output_kind=RequestOutputKind.DELTA,

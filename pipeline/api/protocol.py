@@ -247,7 +247,8 @@ class DetokenizeRequest(RequestModel):
 
 @dataclass(frozen=True)
 class SamplingSpec:
-    """What the LM deployment turns into `vllm.SamplingParams` (no vLLM import on the router)."""
+    """What the LM deployment turns into `vllm.SamplingParams` (no vLLM import on the router);
+    every field is named as a `SamplingParams` argument."""
 
     max_tokens: int
     temperature: float = 1.0

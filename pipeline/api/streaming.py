@@ -65,6 +65,10 @@ class ResponseFormat:
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return self._envelope("text_completion", [choice])
 
+    def logprobs(self, entries: list[TokenLogprob] | None, text_offset: int) -> dict | None:
+        """The choice's `logprobs` in this endpoint's shape; `text_offset`: completions only."""
+        return chat_logprobs(entries) if self.chat else completion_logprobs(entries, text_offset)
+
     def usage_chunk(self, usage: Usage) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._envelope(obj, []), "usage": usage.as_dict()}
@@ -102,9 +106,8 @@ class StreamEncoder:
         text_offset, self.text_offset = self.text_offset, self.text_offset + len(delta.text)
         if not delta.text and delta.finish_reason is None and not delta.logprobs:
             return b""
-        logprobs = chat_logprobs(delta.logprobs) if self.fmt.chat else \
-            completion_logprobs(delta.logprobs, text_offset)
-        return sse(self.fmt.chunk(delta.text, delta.finish_reason, logprobs=logprobs))
+        return sse(self.fmt.chunk(delta.text, delta.finish_reason,
+                                  logprobs=self.fmt.logprobs(delta.logprobs, text_offset)))
 
     def closing(self) -> bytes:
         usage = sse(self.fmt.usage_chunk(self.completion.usage)) if self.include_usage else b""
