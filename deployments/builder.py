@@ -22,6 +22,7 @@ from moonserve.pipeline.api.auth import ApiKeys, keys_from_env
 from moonserve.pipeline.config import (
     EMBEDDED_MODEL,
     AppConfig,
+    ChatConfig,
     DeploymentOptions,
     DraftConfig,
     LanguageModelConfig,
@@ -72,12 +73,12 @@ def resolve_api_keys(config: RouterConfig) -> ApiKeys | None:
 
 def bind_router(config: RouterConfig, language_model, model_path: str,
                 vision: VisionConfig | None = None, preprocessor=None, encoder=None,
-                trust_remote_code: bool = False) -> Application:
+                trust_remote_code: bool = False, chat: ChatConfig | None = None) -> Application:
     """The Router ingress bound to a LanguageModel (and, with `vision`, the image deployments);
     each a bound deployment or an existing handle."""
     router = serve.deployment(serve.ingress()(Router), name="Router", **router_options(config))
     return router.bind(config, language_model, model_path, resolve_api_keys(config), vision,
-                       preprocessor, encoder, trust_remote_code)
+                       preprocessor, encoder, trust_remote_code, chat)
 
 
 def resolve_encoder_path(config: VisionEncoderConfig, lm_path: str) -> str:
@@ -134,8 +135,10 @@ def build_app(args: AppConfig) -> Application:
     model_path = resolve_model_path(args.language_model)
     language_model = bind_language_model(args.language_model, model_path, args.draft)
     trust = args.language_model.engine.trust_remote_code
+    chat = args.language_model.chat
     if args.vision is None:
-        return bind_router(args.router, language_model, model_path, trust_remote_code=trust)
+        return bind_router(args.router, language_model, model_path, trust_remote_code=trust,
+                           chat=chat)
     preprocessor, encoder = bind_vision(args.vision, model_path)
     return bind_router(args.router, language_model, model_path, args.vision, preprocessor, encoder,
-                       trust)
+                       trust, chat)

@@ -79,7 +79,8 @@ def executor_backend(engine: EngineConfig) -> str | None:
     return "mp" if current_platform.is_cpu() else "ray"
 
 
-def engine_args(engine: EngineConfig, model_path: str, draft: DraftConfig | None = None):
+def engine_args(engine: EngineConfig, model_path: str, draft: DraftConfig | None = None,
+                reasoning_parser: str | None = None):
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     scheduler = engine.scheduler_cls()
@@ -95,6 +96,8 @@ def engine_args(engine: EngineConfig, model_path: str, draft: DraftConfig | None
         distributed_executor_backend=executor_backend(engine),
         max_num_seqs=engine.max_num_seqs,
         max_num_batched_tokens=engine.max_num_batched_tokens,
+        # Structured outputs start after the thinking this parser finds (language_model.chat).
+        reasoning_parser=reasoning_parser or "",
         enable_prefix_caching=engine.enable_prefix_caching,
         enforce_eager=engine.enforce_eager,
         scheduling_policy=engine.scheduling_policy,
@@ -143,11 +146,14 @@ def load_token_embeddings(model_path: str):
 def sampling_params(spec: SamplingSpec):
     """`SamplingSpec`'s fields are named as vLLM's `SamplingParams` arguments."""
     from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
     fields = dataclasses.asdict(spec)
+    structured = None if spec.structured_outputs is None else \
+        StructuredOutputsParams(**spec.structured_outputs)
     return SamplingParams(
-        **fields | {"stop": list(spec.stop), "stop_token_ids": list(spec.stop_token_ids)},
+        **fields | {"stop": list(spec.stop), "stop_token_ids": list(spec.stop_token_ids),
+                    "structured_outputs": structured},
         # Deltas, so each chunk carries only new text; vLLM merges deltas the consumer has not
         # read yet, which batches tokens under load without adding a timer to the stream.
         output_kind=RequestOutputKind.DELTA,
@@ -206,7 +212,7 @@ class LanguageModel:
         self.load = EngineLoad()
         self.resolver = start_draft_resolver(draft, draft_service) if draft is not None else None
         self.engine = AsyncLLM.from_engine_args(
-            engine_args(config.engine, model_path, draft),
+            engine_args(config.engine, model_path, draft, config.chat.reasoning.parser),
             # vLLM's own metrics (vllm:* -> ray_vllm_*) through Ray's metrics agent.
             stat_loggers=[load_logger_factory(self.load), RayPrometheusStatLogger],
         )
@@ -252,18 +258,21 @@ class LanguageModel:
         try:
             async for output in self.engine.generate(
                 prompt, sampling_params(request.sampling), request.request_id,
-                priority=request.priority,
+                priority=request.priority, reasoning_ended=request.reasoning_ended,
             ):
-                completion = output.outputs[0]
                 finished = output.finished
-                yield GenerationDelta(
-                    text=completion.text,
-                    num_tokens=len(completion.token_ids),
-                    num_prompt_tokens=num_prompt_tokens,
-                    finish_reason=completion.finish_reason if finished else None,
-                    logprobs=token_logprobs(completion.token_ids, completion.logprobs,
-                                            request.sampling.logprobs),
-                )
+                # With n > 1, one output per choice that has news (each carries its index).
+                for completion in output.outputs:
+                    yield GenerationDelta(
+                        text=completion.text,
+                        num_tokens=len(completion.token_ids),
+                        num_prompt_tokens=num_prompt_tokens,
+                        finish_reason=completion.finish_reason,
+                        logprobs=token_logprobs(completion.token_ids, completion.logprobs,
+                                                request.sampling.logprobs),
+                        index=completion.index,
+                        token_ids=list(completion.token_ids),
+                    )
         finally:
             if not finished:
                 # The caller went away (client disconnect, cancel) or the engine failed.

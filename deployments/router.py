@@ -45,8 +45,10 @@ from moonserve.pipeline.api.protocol import (
     sampling_spec,
 )
 from moonserve.pipeline.api.streaming import ResponseFormat, StreamEncoder, sse
-from moonserve.pipeline.config import RouterConfig, VisionConfig
+from moonserve.pipeline.config import ChatConfig, RouterConfig, VisionConfig
+from moonserve.pipeline.models.chat_templates import chat_template_text
 from moonserve.pipeline.metrics import RequestTrace, RouterMetrics
+from moonserve.pipeline.router.chat_parsing import ChatParsing, ChatPlan
 from moonserve.pipeline.router.failures import lm_failure
 from moonserve.pipeline.router.fan_in import EncodingImages, ImageFanIn
 
@@ -62,12 +64,17 @@ class Router:
 
     def __init__(self, config: RouterConfig, language_model, model_path: str,
                  api_keys: ApiKeys | None = None, vision: VisionConfig | None = None,
-                 preprocessor=None, encoder=None, trust_remote_code: bool = False):
+                 preprocessor=None, encoder=None, trust_remote_code: bool = False,
+                 chat: ChatConfig | None = None):
         self.limits = config.limits
         self.lm = language_model
         self.api_keys = api_keys
+        chat = chat or ChatConfig()
         # Kimi checkpoints ship their own tokenizer code (the engine's trust_remote_code).
-        self.prompts = PromptBuilder.from_pretrained(model_path, trust_remote_code)
+        self.prompts = PromptBuilder.from_pretrained(
+            model_path, trust_remote_code,
+            chat_template_text(chat.template) if chat.template else None)
+        self.parsing = ChatParsing(self.prompts.tokenizer, chat)
         self.images = None if vision is None else \
             ImageFanIn(vision.image_placeholder, preprocessor, encoder)
         self.image_placeholder_id = None if self.images is None else \
@@ -108,18 +115,19 @@ class Router:
         body = await self.parse(request, ChatCompletionRequest)
         check_chat_limits(body, self.limits)
         info = await self.check_model(body.model)
+        plan = self.parsing.plan(body)
         images = await self.start_images(body)
         placeholder = "" if self.images is None else self.images.placeholder
         try:
             prompt_ids = await self.tokenize(
                 lambda b: self.prompts.chat_prompt_ids(b.messages, placeholder, images.num_tokens(),
-                                                       template_kwargs=b.chat_template_kwargs), body,
+                                                       template_kwargs=b.template_kwargs()), body,
                 sum(len(m.text()) for m in body.messages))
         except BaseException:
             images.release()
             raise
         job = Job(f"chatcmpl-{uuid.uuid4().hex}", body, prompt_ids, info, "messages", chat=True,
-                  images=images)
+                  images=images, plan=plan)
         try:
             return await self.admit_and_respond(request, job, arrival)
         finally:
@@ -230,14 +238,18 @@ class Router:
                                         job.info, job.prompt_param, self.limits.default_max_tokens)
         check_token_ids(job.body.stop_token_ids or [], job.info, "stop_token_ids")
         lane = self.lanes.classify(len(job.prompt_ids), request.headers.get(self.hint_header))
-        sampling = sampling_spec(job.body, max_tokens)
+        plan = job.plan
+        sampling = sampling_spec(job.body, max_tokens,
+                                 plan.structured_outputs if plan else None,
+                                 plan.skip_special_tokens if plan else None)
         trace = RequestTrace(self.metrics, lane, arrival)
         slot = await self.lanes.admit(lane)
         try:
             self.metrics.prompt(lane, len(job.prompt_ids))
             generate = GenerateRequest(
                 job.request_id, job.prompt_ids, sampling, priority=slot.priority,
-                image_placeholder_id=self.image_placeholder_id if job.images.infos else None)
+                image_placeholder_id=self.image_placeholder_id if job.images.infos else None,
+                reasoning_ended=plan.reasoning_ended(job.prompt_ids) if plan else None)
             job.image_embeds = await job.images.embeddings()
             if job.body.stream:
                 return await self.respond_stream(job, generate, slot, trace)
@@ -248,8 +260,7 @@ class Router:
             raise
         slot.release()
         trace.finish(ok=True)
-        return JSONResponse(ResponseFormat(job.request_id, job.info.name, chat=job.chat)
-                            .full(completion))
+        return JSONResponse(job.response_format().full(completion))
 
     async def respond_stream(self, job: Job, generate: GenerateRequest, slot: Slot,
                              trace: RequestTrace) -> Response:
@@ -257,8 +268,7 @@ class Router:
         # Wait for the first delta before sending headers, so a failure before any token (LM
         # replica gone, engine error) is an HTTP status the client can act on, not a 200 stream.
         first = await anext(deltas, None)
-        encoder = StreamEncoder(ResponseFormat(job.request_id, job.info.name, chat=job.chat),
-                                job.body.include_usage())
+        encoder = StreamEncoder(job.response_format(), job.body.include_usage(), job.body.n)
         return SlotStreamingResponse(slot, trace, self.stream(first, deltas, encoder),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -318,6 +328,13 @@ class Job:
     chat: bool
     images: EncodingImages = field(default_factory=EncodingImages.none)
     image_embeds: list = field(default_factory=list)  # ObjectRefs, once encoded
+    plan: ChatPlan | None = None  # chat only: constraint and output parsing
+
+    def response_format(self) -> ResponseFormat:
+        if self.plan is None:
+            return ResponseFormat(self.request_id, self.info.name, chat=self.chat)
+        return ResponseFormat(self.request_id, self.info.name, chat=self.chat,
+                              parser=lambda index: self.plan.choice_parser(self.prompt_ids))
 
 
 class SlotStreamingResponse(StreamingResponse):

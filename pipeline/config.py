@@ -193,8 +193,37 @@ class PlacementConfig(StrictModel):
     strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
 
 
+class ToolsConfig(StrictModel):
+    """Tool calling (README "Tools and structured outputs")."""
+
+    # vLLM's tool parser for the model's call format (vllm/tool_parsers): `hermes` for the
+    # embedded model's template, `kimi_k3` for Kimi K3.1. None: requests with tools get a 400.
+    parser: str | None = None
+    # vLLM's --tool-strict-level: `parameter` holds every call's arguments to its tool's
+    # schema in every tool_choice mode; `function` only the call envelope; `auto` as vLLM's
+    # server does by default (arguments only for `strict: true` tools).
+    strict_level: Literal["auto", "function", "parameter"] = "parameter"
+
+
+class ReasoningConfig(StrictModel):
+    # vLLM's reasoning parser (vllm/reasoning), e.g. `kimi_k3`: thinking goes to
+    # `reasoning_content`, and structured outputs apply after it. None: no reasoning split.
+    parser: str | None = None
+
+
+class ChatConfig(StrictModel):
+    """How chat requests are rendered and their outputs parsed, per served model."""
+
+    # A chat template replacing the checkpoint's: a template shipped with moonserve by name
+    # (pipeline/models/templates/<name>.jinja) or a path to a .jinja file. None: the checkpoint's.
+    template: str | None = None
+    tools: ToolsConfig = ToolsConfig()
+    reasoning: ReasoningConfig = ReasoningConfig()
+
+
 class LanguageModelConfig(StrictModel):
     engine: EngineConfig = EngineConfig()
+    chat: ChatConfig = ChatConfig()
     placement: PlacementConfig = PlacementConfig()
     deployment: DeploymentOptions = DeploymentOptions()
     # Environment for the replica and its vLLM processes (e.g. VLLM_CPU_OMP_THREADS_BIND).

@@ -21,14 +21,18 @@ class PromptBuilder:
         >>> ids = builder.chat_prompt_ids(request.messages)        # list[int]
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, chat_template: str | None = None):
         self.tokenizer = tokenizer
+        # Replaces the checkpoint's template (language_model.chat.template); None: its own.
+        self.chat_template = chat_template
 
     @classmethod
-    def from_pretrained(cls, path: str, trust_remote_code: bool = False) -> PromptBuilder:
+    def from_pretrained(cls, path: str, trust_remote_code: bool = False,
+                        chat_template: str | None = None) -> PromptBuilder:
         from transformers import AutoTokenizer
 
-        return cls(AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code))
+        return cls(AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code),
+                   chat_template)
 
     def token_id(self, token: str) -> int:
         """The id of a single token of the vocabulary (e.g. the image placeholder)."""
@@ -42,18 +46,18 @@ class PromptBuilder:
                         image_tokens: list[int] | None = None, *, add_generation_prompt: bool = True,
                         template_kwargs: dict | None = None) -> list[int]:
         """Prompt ids; with images, each image's placeholder expanded to its token count.
-        `template_kwargs` are extra variables of the chat template (a request's
-        `chat_template_kwargs`)."""
-        conversation = [{"role": m.role, "content": m.render(image_placeholder)} for m in messages]
+        `template_kwargs` are the other variables of the chat template (`tools`, a request's
+        `chat_template_kwargs`, ...)."""
+        conversation = [m.template_dict(image_placeholder) for m in messages]
         try:
             text = self.tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=add_generation_prompt, tokenize=False,
-                **(template_kwargs or {}))
+                chat_template=self.chat_template, **(template_kwargs or {}))
         except TemplateError as exc:
             if not template_kwargs:
                 raise
-            raise bad_request(f"chat_template_kwargs: the chat template failed with them: {exc}",
-                              "chat_template_kwargs") from None
+            raise bad_request(f"messages: the chat template failed with this request: {exc}",
+                              "messages") from None
         # The template writes the special tokens as text; don't add another BOS on top.
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         if not image_tokens:

@@ -7,9 +7,11 @@ than silently ignored, and ranges follow the OpenAI reference.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
+import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
 
 from moonserve.pipeline.api.errors import bad_request
@@ -17,15 +19,17 @@ from moonserve.pipeline.api.errors import bad_request
 # Fields of the OpenAI API that this server does not implement; a request that sets one gets a 400
 # naming it instead of an answer that silently ignores it.
 UNSUPPORTED_CHAT_FIELDS = (
-    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "logit_bias",
-    "audio", "modalities", "prediction", "reasoning_effort", "web_search_options",
+    "functions", "function_call", "logit_bias", "audio", "modalities", "prediction",
+    "web_search_options",
 )
+# OpenAI's limit on choices per request.
+MAX_CHOICES = 128
 # The most alternatives per token `top_logprobs` (chat) and `logprobs` (completions) may ask for:
 # OpenAI's limit for chat, and vLLM's default `max_logprobs`.
 MAX_LOGPROBS = 20
 # apply_chat_template arguments a request's `chat_template_kwargs` may not override.
 RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tokenize", "add_generation_prompt",
-                            "return_dict", "chat_template")
+                            "return_dict", "chat_template", "tools")
 UNSUPPORTED_COMPLETION_FIELDS = ("logit_bias", "suffix", "best_of")
 
 
@@ -51,30 +55,171 @@ class ImagePart(RequestModel):
 ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
+class FunctionCallParam(RequestModel):
+    name: StrictStr
+    arguments: StrictStr  # a JSON object, as a string (OpenAI's shape)
+
+
+class ToolCallParam(RequestModel):
+    """An earlier call of the assistant, in the conversation history."""
+
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessage(RequestModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: StrictStr | list[ContentPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # None only for an assistant message that carries tool_calls.
+    content: StrictStr | list[ContentPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[ToolCallParam] | None = None  # assistant only
+    tool_call_id: StrictStr | None = None  # tool only: the call this message answers
+    reasoning_content: StrictStr | None = None  # assistant only: earlier thinking, for templates
 
     def text(self) -> str:
         """The text parts (what the character limits count)."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "\n".join(part.text for part in self.content if isinstance(part, TextPart))
 
     def render(self, image_placeholder: str) -> str:
         """The content as the template sees it: parts in order, one placeholder per image."""
-        if isinstance(self.content, str):
-            return self.content
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         return "\n".join(part.text if isinstance(part, TextPart) else image_placeholder
                          for part in self.content)
 
+    def template_dict(self, image_placeholder: str) -> dict:
+        """The message as chat templates read it (tool-call arguments as objects, as vLLM and
+        transformers pass them)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.render(image_placeholder)}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name,
+                              "arguments": json.loads(c.function.arguments)}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
+        return out
+
+    def check(self, i: int) -> None:
+        """Role-specific fields; 400 naming `messages[i].<field>`."""
+        where = f"messages[{i}]"
+        if self.tool_calls is not None and self.role != "assistant":
+            raise bad_request(f"{where}.tool_calls: only assistant messages carry tool_calls",
+                              f"{where}.tool_calls")
+        if self.reasoning_content is not None and self.role != "assistant":
+            raise bad_request(f"{where}.reasoning_content: only assistant messages carry it",
+                              f"{where}.reasoning_content")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise bad_request(f"{where}.tool_call_id: required in tool messages and only there",
+                              f"{where}.tool_call_id")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise bad_request(f"{where}.content: required (only an assistant message with "
+                              "tool_calls may leave it null)", f"{where}.content")
+        for j, call in enumerate(self.tool_calls or ()):
+            try:
+                arguments = json.loads(call.function.arguments)
+            except ValueError:
+                arguments = None
+            if not isinstance(arguments, dict):
+                param = f"{where}.tool_calls[{j}].function.arguments"
+                raise bad_request(f"{param}: must be a JSON object as a string", param)
+
     def image_urls(self) -> list[tuple[int, str]]:
         """(part index, url) of each image part."""
-        if isinstance(self.content, str):
+        if self.content is None or isinstance(self.content, str):
             return []
         return [(j, part.image_url.url) for j, part in enumerate(self.content)
                 if isinstance(part, ImagePart)]
+
+
+class FunctionDefinition(RequestModel):
+    name: StrictStr = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema; None: no arguments
+    strict: StrictBool | None = None
+
+
+class ToolParam(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: StrictStr
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(RequestModel):
+    name: StrictStr = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: StrictStr | None = None
+    # `schema` shadows a BaseModel attribute; the alias keeps OpenAI's field name.
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class TextResponseFormat(RequestModel):
+    type: Literal["text"]
+
+
+class JsonObjectResponseFormat(RequestModel):
+    type: Literal["json_object"]
+
+
+class JsonSchemaResponseFormat(RequestModel):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormatParam = Annotated[
+    TextResponseFormat | JsonObjectResponseFormat | JsonSchemaResponseFormat,
+    Field(discriminator="type")]
+
+
+class StructuredOutputs(RequestModel):
+    """vLLM's `structured_outputs` request extension (one constraint per request)."""
+
+    json_: dict[str, Any] | StrictStr | None = Field(None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = Field(None, min_length=1)
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
+    structural_tag: StrictStr | None = None
+    disable_any_whitespace: StrictBool = False
+    disable_additional_properties: StrictBool = False
+    whitespace_pattern: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        kinds = [k for k in ("json_", "regex", "choice", "grammar", "json_object",
+                             "structural_tag") if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise bad_request("structured_outputs: set exactly one of json, regex, choice, "
+                              "grammar, json_object, structural_tag", "structured_outputs")
+        return self
+
+
+def check_json_schema(schema: dict, param: str) -> None:
+    """A 400 naming `param` when `schema` is not a valid JSON Schema (by its own metaschema)."""
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "".join(f"[{p!r}]" if isinstance(p, str) else f"[{p}]" for p in exc.path)
+        raise bad_request(f"{param}: not a valid JSON Schema: {exc.message}"
+                          f"{f' (at {where})' if where else ''}", param) from None
 
 
 class StreamOptions(RequestModel):
@@ -87,7 +232,7 @@ class SamplingFields(RequestModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     stop: StrictStr | list[StrictStr] | None = None
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
@@ -108,8 +253,6 @@ class SamplingFields(RequestModel):
 
     @model_validator(mode="after")
     def _check_common(self):
-        if self.n != 1:
-            raise bad_request("n: only n=1 is supported; send separate requests", "n", "unsupported_value")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if len(stops) > 4 or any(not s for s in stops):
             raise bad_request("stop: at most 4 non-empty sequences", "stop")
@@ -145,10 +288,12 @@ class ChatCompletionRequest(SamplingFields):
     model: StrictStr
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    response_format: dict | None = None
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
+    response_format: ResponseFormatParam | None = None
+    # vLLM extension: a constraint (JSON schema, regex, choice, grammar, structural tag).
+    structured_outputs: StructuredOutputs | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
     functions: Any = None
     function_call: Any = None
     logit_bias: Any = None
@@ -157,7 +302,8 @@ class ChatCompletionRequest(SamplingFields):
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
-    reasoning_effort: Any = None
+    # Mapped onto the chat template's thinking switch (vLLM's `enable_thinking`).
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     web_search_options: Any = None
     metadata: dict[str, StrictStr] | None = None
     store: StrictBool | None = None
@@ -174,12 +320,68 @@ class ChatCompletionRequest(SamplingFields):
             if self.messages[i].role != "user":
                 raise bad_request(f"messages[{i}].content[{j}]: image parts are only allowed in "
                                   "user messages", f"messages[{i}].content[{j}]")
-        if self.response_format not in (None, {"type": "text"}):
-            raise bad_request(
-                "response_format: only {\"type\": \"text\"} is supported", "response_format",
-                "unsupported_parameter",
-            )
+        self._check_history()
+        self._check_tools()
+        if isinstance(self.response_format, JsonSchemaResponseFormat):
+            schema = self.response_format.json_schema.schema_
+            if schema is None:
+                raise bad_request("response_format.json_schema.schema: required",
+                                  "response_format.json_schema.schema")
+            check_json_schema(schema, "response_format.json_schema.schema")
+        if self.structured_outputs is not None and self.response_format is not None and \
+                self.response_format.type != "text":
+            raise bad_request("structured_outputs: send either it or response_format, not both",
+                              "structured_outputs")
         return self
+
+    def _check_history(self) -> None:
+        """Each message's role fields; each tool message answers a call made before it."""
+        calls: set[str] = set()
+        for i, message in enumerate(self.messages):
+            message.check(i)
+            calls.update(c.id for c in message.tool_calls or ())
+            if message.role == "tool" and message.tool_call_id not in calls:
+                raise bad_request(f"messages[{i}].tool_call_id: {message.tool_call_id!r} matches "
+                                  "no tool call of an earlier assistant message",
+                                  f"messages[{i}].tool_call_id")
+
+    def _check_tools(self) -> None:
+        if self.tools is not None and not self.tools:
+            raise bad_request("tools: must not be empty; leave it out instead", "tools")
+        names = []
+        for i, tool in enumerate(self.tools or ()):
+            if tool.function.name in names:
+                raise bad_request(f"tools[{i}].function.name: {tool.function.name!r} is already "
+                                  "the name of another tool", f"tools[{i}].function.name")
+            names.append(tool.function.name)
+            if tool.function.parameters is not None:
+                check_json_schema(tool.function.parameters, f"tools[{i}].function.parameters")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise bad_request("tool_choice: needs tools", "tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice) and \
+                self.tool_choice.function.name not in names:
+            raise bad_request(f"tool_choice.function.name: no tool is named "
+                              f"{self.tool_choice.function.name!r}", "tool_choice.function.name")
+
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """OpenAI's default: `auto` with tools, `none` without."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def template_kwargs(self) -> dict:
+        """Variables for the chat template besides the messages, as vLLM's server passes them."""
+        kwargs: dict[str, Any] = {}
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
+            kwargs["enable_thinking"] = self.reasoning_effort != "none"
+        if self.tools:
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
+            choice = self.effective_tool_choice()
+            kwargs["tool_choice"] = choice if isinstance(choice, str) else choice.model_dump()
+        if self.response_format is not None:
+            kwargs["response_format"] = self.response_format.model_dump(by_alias=True)
+        return {**kwargs, **(self.chat_template_kwargs or {})}
 
     def image_parts(self) -> list[tuple[int, int, str]]:
         """(message index, part index, url) of every image part, in prompt order."""
@@ -267,6 +469,10 @@ class SamplingSpec:
     ignore_eos: bool = False
     # Alternatives per generated token to return with it; None: no logprobs.
     logprobs: int | None = None
+    n: int = 1
+    # Keyword arguments of vLLM's `StructuredOutputsParams` (JSON schema, structural tag for
+    # tool calls, ...); None: unconstrained.
+    structured_outputs: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -280,6 +486,9 @@ class GenerateRequest:
     priority: int = 0
     # Set for multimodal requests: the token whose runs in `prompt_token_ids` are image positions.
     image_placeholder_id: int | None = None
+    # vLLM's `reasoning_ended` for structured outputs (True: constrain from the first token;
+    # None: the engine's reasoning parser decides from the prompt).
+    reasoning_ended: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -313,7 +522,7 @@ class GenerationDelta:
 
     When the router reads slower than the engine produces, vLLM merges pending outputs, so one
     delta may carry several tokens; `num_tokens` says how many. `logprobs` has one entry per
-    token when the request asked for them.
+    token when the request asked for them. `index` is the choice (n > 1).
     """
 
     text: str
@@ -321,6 +530,8 @@ class GenerationDelta:
     num_prompt_tokens: int
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
+    index: int = 0
+    token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -330,7 +541,9 @@ class ModelInfo:
     vocab_size: int
 
 
-def sampling_spec(request: SamplingFields, max_tokens: int) -> SamplingSpec:
+def sampling_spec(request: SamplingFields, max_tokens: int,
+                  structured_outputs: dict | None = None,
+                  skip_special_tokens: bool | None = None) -> SamplingSpec:
     """Map OpenAI sampling fields to a `SamplingSpec`, with OpenAI's defaults."""
     if request.min_tokens > max_tokens:
         raise bad_request(f"min_tokens: {request.min_tokens} is over the {max_tokens} tokens this "
@@ -349,9 +562,12 @@ def sampling_spec(request: SamplingFields, max_tokens: int) -> SamplingSpec:
         stop_token_ids=tuple(request.stop_token_ids or ()),
         min_tokens=request.min_tokens,
         include_stop_str_in_output=request.include_stop_str_in_output,
-        skip_special_tokens=request.skip_special_tokens,
+        skip_special_tokens=request.skip_special_tokens if skip_special_tokens is None
+        else skip_special_tokens,
         ignore_eos=request.ignore_eos,
         logprobs=request.num_logprobs(),
+        n=request.n,
+        structured_outputs=structured_outputs,
     )
 
 
@@ -369,18 +585,18 @@ class Usage:
 
 
 @dataclass
-class Completion:
-    """A finished generation, accumulated from deltas."""
+class ChoiceOutput:
+    """One choice's generation, accumulated from its deltas."""
 
+    index: int
     text_parts: list[str] = field(default_factory=list)
-    usage: Usage = field(default_factory=Usage)
+    token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
 
     def add(self, delta: GenerationDelta) -> None:
         self.text_parts.append(delta.text)
-        self.usage.prompt_tokens = delta.num_prompt_tokens
-        self.usage.completion_tokens += delta.num_tokens
+        self.token_ids.extend(delta.token_ids)
         self.finish_reason = delta.finish_reason or self.finish_reason
         if delta.logprobs is not None:
             self.logprobs = self.logprobs or []
@@ -389,3 +605,21 @@ class Completion:
     @property
     def text(self) -> str:
         return "".join(self.text_parts)
+
+
+@dataclass
+class Completion:
+    """A finished generation (every choice), accumulated from deltas."""
+
+    choices: dict[int, ChoiceOutput] = field(default_factory=dict)
+    usage: Usage = field(default_factory=Usage)
+
+    def add(self, delta: GenerationDelta) -> ChoiceOutput:
+        choice = self.choices.setdefault(delta.index, ChoiceOutput(delta.index))
+        choice.add(delta)
+        self.usage.prompt_tokens = delta.num_prompt_tokens
+        self.usage.completion_tokens += delta.num_tokens
+        return choice
+
+    def in_order(self) -> list[ChoiceOutput]:
+        return [self.choices[i] for i in sorted(self.choices)]

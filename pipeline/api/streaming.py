@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from moonserve.pipeline.api.protocol import Completion, GenerationDelta, TokenLogprob, Usage
+from moonserve.pipeline.api.protocol import (
+    ChoiceOutput,
+    Completion,
+    GenerationDelta,
+    TokenLogprob,
+    Usage,
+)
 
 DONE = b"data: [DONE]\n\n"
 
@@ -42,27 +50,55 @@ def completion_logprobs(entries: list[TokenLogprob] | None, text_offset: int) ->
             "text_offset": offsets}
 
 
+class PlainChoice:
+    """A choice's text as it is: the output parser of a model without tool or reasoning parsers
+    (and of text completions). `moonserve.pipeline.router.chat_parsing.ChoiceParser` has the
+    same two methods, backed by vLLM's parsers."""
+
+    calls_streamed = False
+    named_call = False
+
+    def finish(self, choice: ChoiceOutput) -> dict:
+        return {"content": choice.text}
+
+    def delta(self, text: str, token_ids: list[int], finish_reason: str | None) -> dict | None:
+        return {"content": text} if text else None
+
+
+def finish_reason(choice: ChoiceOutput, message: dict, parser) -> str | None:
+    """OpenAI's rule: `tool_calls` when the answer called tools (auto or required), `stop` for a
+    named tool."""
+    called = bool(message.get("tool_calls")) or parser.calls_streamed
+    if called and not parser.named_call and choice.finish_reason == "stop":
+        return "tool_calls"
+    return choice.finish_reason
+
+
 @dataclass
 class ResponseFormat:
-    """What distinguishes `chat.completion` from `text_completion` bodies."""
+    """What distinguishes `chat.completion` from `text_completion` bodies. `parser(index)` gives
+    each chat choice its output parser (one per choice: parsers keep stream state)."""
 
     request_id: str
     model: str
     chat: bool
+    parser: Callable[[int], Any] = lambda index: PlainChoice()
     created: int = field(default_factory=lambda: int(time.time()))
 
     def _envelope(self, obj: str, choices: list) -> dict:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def chunk(self, text: str, finish_reason: str | None, first: bool = False,
+    def chunk(self, index: int, delta: dict, finish: str | None,
               logprobs: dict | None = None) -> dict:
+        """A chat chunk with `delta` ({"role"}, {"content"}, {"tool_calls"}, ...) or, for text
+        completions, a chunk with `delta["content"]` as its text."""
         if self.chat:
-            delta = {"role": "assistant", "content": text} if first else {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs,
-                      "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs,
+                      "finish_reason": finish}
             return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "text": delta.get("content", ""), "logprobs": logprobs,
+                  "finish_reason": finish}
         return self._envelope("text_completion", [choice])
 
     def logprobs(self, entries: list[TokenLogprob] | None, text_offset: int) -> dict | None:
@@ -74,40 +110,55 @@ class ResponseFormat:
         return {**self._envelope(obj, []), "usage": usage.as_dict()}
 
     def full(self, completion: Completion) -> dict:
-        if self.chat:
-            message = {"role": "assistant", "content": completion.text, "refusal": None}
-            choice = {"index": 0, "message": message,
-                      "logprobs": chat_logprobs(completion.logprobs),
-                      "finish_reason": completion.finish_reason}
-            body = self._envelope("chat.completion", [choice])
-        else:
-            choice = {"index": 0, "text": completion.text,
-                      "logprobs": completion_logprobs(completion.logprobs, 0),
-                      "finish_reason": completion.finish_reason}
-            body = self._envelope("text_completion", [choice])
-        return {**body, "usage": completion.usage.as_dict()}
+        choices = []
+        for choice in completion.in_order():
+            if self.chat:
+                parser = self.parser(choice.index)
+                message = {"role": "assistant", "refusal": None, **parser.finish(choice)}
+                choices.append({"index": choice.index, "message": message,
+                                "logprobs": chat_logprobs(choice.logprobs),
+                                "finish_reason": finish_reason(choice, message, parser)})
+            else:
+                choices.append({"index": choice.index, "text": choice.text,
+                                "logprobs": completion_logprobs(choice.logprobs, 0),
+                                "finish_reason": choice.finish_reason})
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {**self._envelope(obj, choices), "usage": completion.usage.as_dict()}
 
 
 class StreamEncoder:
     """Turns `GenerationDelta`s into SSE events, tracking usage for the final chunk."""
 
-    def __init__(self, fmt: ResponseFormat, include_usage: bool):
+    def __init__(self, fmt: ResponseFormat, include_usage: bool, n: int = 1):
         self.fmt = fmt
         self.include_usage = include_usage
+        self.n = n
         self.completion = Completion()
-        self.text_offset = 0  # characters streamed so far (completions' text_offset)
+        self.parsers: dict[int, Any] = {}
+        self.text_offsets: dict[int, int] = {}  # characters streamed per choice (text_offset)
 
     def opening(self) -> bytes:
-        """The role chunk, sent before the first token (as OpenAI and vLLM do)."""
-        return sse(self.fmt.chunk("", None, first=True)) if self.fmt.chat else b""
+        """The role chunk of each choice, before the first token (as OpenAI and vLLM do)."""
+        if not self.fmt.chat:
+            return b""
+        return b"".join(sse(self.fmt.chunk(i, {"role": "assistant", "content": ""}, None))
+                        for i in range(self.n))
 
     def encode(self, delta: GenerationDelta) -> bytes:
-        self.completion.add(delta)
-        text_offset, self.text_offset = self.text_offset, self.text_offset + len(delta.text)
-        if not delta.text and delta.finish_reason is None and not delta.logprobs:
+        choice = self.completion.add(delta)
+        offset = self.text_offsets.get(delta.index, 0)
+        self.text_offsets[delta.index] = offset + len(delta.text)
+        parser = self.parsers.get(delta.index)
+        if parser is None:
+            parser = self.parsers[delta.index] = self.fmt.parser(delta.index) if self.fmt.chat \
+                else PlainChoice()
+        body = parser.delta(delta.text, delta.token_ids, delta.finish_reason)
+        if body is None and delta.finish_reason is None and not delta.logprobs:
             return b""
-        return sse(self.fmt.chunk(delta.text, delta.finish_reason,
-                                  logprobs=self.fmt.logprobs(delta.logprobs, text_offset)))
+        finish = None if delta.finish_reason is None else \
+            finish_reason(choice, body or {}, parser)
+        return sse(self.fmt.chunk(delta.index, body or {}, finish,
+                                  logprobs=self.fmt.logprobs(delta.logprobs, offset)))
 
     def closing(self) -> bytes:
         usage = sse(self.fmt.usage_chunk(self.completion.usage)) if self.include_usage else b""

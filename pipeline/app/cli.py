@@ -7,6 +7,7 @@
     moonserve bench vision [--out FILE]    # preprocess vs vLLM, packed vs loop encoder, image TTFT
     moonserve bench reliability [--out FILE]  # 5x overload: sent/completed/rejected/lost; recovery
     moonserve bench speculative [--out FILE]  # decode tok/s: no spec, vLLM ngram, DraftService arms
+    moonserve bench tools [--out FILE]     # BFCL tool calling: AST accuracy, schema validity, vs vLLM
     moonserve plan [--json]                # capacity of Kimi K3.1 Pro + DSpark on 8x MI355X
     moonserve plan --checkpoint PATH       # ... with the weights measured in a checkpoint
     moonserve check-checkpoint PATH [--json] [--tp 8]  # preflight a checkpoint from its headers
@@ -65,7 +66,7 @@ def bench_module(name: str):
 
 BENCHMARKS = {"overhead": bench_module("overhead"), "lanes": bench_module("lanes"),
               "vision": bench_module("vision"), "reliability": bench_module("reliability"),
-              "speculative": bench_module("speculative")}
+              "speculative": bench_module("speculative"), "tools": bench_module("tools")}
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

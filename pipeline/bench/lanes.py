@@ -115,7 +115,8 @@ def deploy_fifo(config: AppConfig, model_path: str):
     router = config.router.model_copy(
         update={"lanes": config.router.lanes.model_copy(update={"enabled": False})})
     lm_handle = serve.get_deployment_handle("LanguageModel", app_name="moonserve")
-    serve.run(bind_router(router, lm_handle, model_path), name="fifo", route_prefix="/fifo")
+    serve.run(bind_router(router, lm_handle, model_path, chat=config.language_model.chat),
+              name="fifo", route_prefix="/fifo")
     return lm_handle
 
 

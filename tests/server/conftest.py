@@ -57,7 +57,8 @@ class RunningServer:
         args["router"].update(router_args)
         config = AppConfig.model_validate(args)
         lm_handle = self.lm_handle()
-        app = bind_router(config.router, lm_handle, resolve_model_path(config.language_model))
+        app = bind_router(config.router, lm_handle, resolve_model_path(config.language_model),
+                          chat=config.language_model.chat)
         serve.run(app, name=name, route_prefix=f"/{name}")
         try:
             yield f"{self.base_url}/{name}"

@@ -36,10 +36,48 @@ def either(good):
 
 text_part = st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url", "x"]),
                                    "text": either(st.text(max_size=20))})
+schema = either(st.sampled_from([
+    {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}}}},
+    {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 2}}},
+    {"type": "objekt"}, {}]))
+tool_name = either(st.sampled_from(["get_weather", "lookup", "bad name!"]))
+tool = st.fixed_dictionaries(
+    {"type": either(st.just("function")),
+     "function": either(st.fixed_dictionaries({"name": tool_name},
+                                              optional={"parameters": schema,
+                                                        "description": st.text(max_size=10),
+                                                        "strict": st.booleans()}))})
+tool_call = st.fixed_dictionaries(
+    {"id": either(st.sampled_from(["c1", "c2"])), "type": either(st.just("function")),
+     "function": either(st.fixed_dictionaries(
+         {"name": tool_name, "arguments": either(st.sampled_from(['{"city": "Paris"}', "{}",
+                                                                  "[1]", "not json"]))}))})
 message = st.fixed_dictionaries(
     {"role": either(st.sampled_from(["system", "user", "assistant", "tool", "developer"])),
-     "content": either(st.text(max_size=40) | st.lists(text_part, max_size=2))},
-    optional={"name": json_value, "extra": json_value})
+     "content": either(st.none() | st.text(max_size=40) | st.lists(text_part, max_size=2))},
+    optional={"name": json_value, "extra": json_value,
+              "tool_calls": either(st.lists(tool_call, max_size=2)),
+              "tool_call_id": either(st.sampled_from(["c1", "c3"]))})
+tool_fields = {
+    "tools": either(st.lists(tool, max_size=3)),
+    "tool_choice": either(st.sampled_from(["none", "auto", "required", "any"])
+                          | st.fixed_dictionaries({"type": st.just("function"), "function":
+                                                   st.fixed_dictionaries({"name": tool_name})})),
+    "parallel_tool_calls": either(st.booleans()),
+    "response_format": either(st.sampled_from([{"type": "text"}, {"type": "json_object"},
+                                               {"type": "xml"}])
+                              | st.fixed_dictionaries({"type": st.just("json_schema"),
+                                                       "json_schema": st.fixed_dictionaries(
+                                                           {"name": st.just("x")},
+                                                           optional={"schema": schema,
+                                                                     "strict": st.booleans()})})),
+    "structured_outputs": either(st.sampled_from([{"choice": ["yes", "no"]}, {"regex": "[a-z]+"},
+                                                  {"regex": "(unclosed"}, {"json": {"type": 7}},
+                                                  {"choice": []}, {}])),
+    "reasoning_effort": either(st.sampled_from(["none", "low", "high", "extreme"])),
+}
 sampling = {
     "max_tokens": either(st.integers(-3, 2)),
     "temperature": either(st.floats(-1, 3)),
@@ -53,7 +91,6 @@ sampling = {
     "stream_options": either(st.fixed_dictionaries({"include_usage": st.booleans()})),
     "logprobs": either(st.booleans() | st.integers(-1, 21)),
     "top_logprobs": either(st.integers(-1, 21)),
-    "tools": json_value,
     "user": either(st.text(max_size=8)),
     "ignore_eos": either(st.booleans()),
     "top_k": either(st.integers(-2, 50)),
@@ -70,7 +107,7 @@ chat_body = st.fixed_dictionaries(
     {}, optional={"model": either(st.sampled_from([MODEL, "gpt-4o"])),
                   "messages": either(st.lists(message, max_size=3)),
                   "max_completion_tokens": either(st.integers(-1, 2)), **sampling,
-                  "surprise": json_value})
+                  **tool_fields, "surprise": json_value})
 completion_body = st.fixed_dictionaries(
     {}, optional={"model": either(st.just(MODEL)),
                   "prompt": either(st.text(max_size=40) | st.lists(st.integers(-5, 60000), max_size=8)),
@@ -105,8 +142,8 @@ def check_response(r: httpx.Response, stream: bool) -> None:
             assert "error" not in json.loads(event.removeprefix("data: ")), event
         return
     body = r.json()
-    assert body["choices"][0]["finish_reason"] in ("stop", "length")
-    assert body["usage"]["completion_tokens"] <= 1
+    assert body["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
+    assert body["usage"]["completion_tokens"] <= len(body["choices"])
 
 
 FUZZ_SETTINGS = dict(deadline=None, database=None, derandomize=True,

@@ -142,7 +142,8 @@ def production_args(checkpoints):
     assert (Path(app.language_model.engine.model).name, Path(app.draft.model).name) == \
         (target.name, draft.name)
     local_draft = app.draft.model_copy(update={"model": str(draft)})
-    return engine_args(app.language_model.engine, str(target), local_draft)
+    return engine_args(app.language_model.engine, str(target), local_draft,
+                       app.language_model.chat.reasoning.parser)
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +177,31 @@ def test_vllm_resolves_the_k3_target(engine_configs):
     compilation = engine_configs["compilation_config"]
     assert compilation.cudagraph_mode.name == "FULL_DECODE_ONLY"
     assert "+fused_rms_norm_gated" in compilation.custom_ops
+
+
+def test_structured_outputs_start_after_k3s_thinking(engine_configs):
+    # The engine's grammar skips what vLLM's kimi_k3 reasoning parser reads as thinking.
+    assert engine_configs["structured_outputs_config"].reasoning_parser == "kimi_k3"
+
+
+def test_the_router_uses_vllms_kimi_k3_parsers_with_constrained_arguments():
+    from vllm.parser.kimi_k3 import KimiK3Parser
+    from vllm.parser.parser_manager import ParserManager
+    from vllm.reasoning.kimi_k3_reasoning_parser import KimiK3ReasoningParser
+    from vllm.tool_parsers.kimi_k3_tool_parser import KimiK3ToolParser
+    from vllm.tool_parsers.structural_tag_registry import SUPPORTED_STRUCTURAL_TAG_MODELS
+    from vllm.tool_parsers.tool_strict_level import ToolStrictLevel
+
+    chat = load_app_config(PRODUCTION).language_model.chat
+    parser = ParserManager.get_parser(
+        tool_parser_name=chat.tools.parser, reasoning_parser_name=chat.reasoning.parser,
+        enable_auto_tools=True, tool_strict_level=chat.tools.strict_level)
+    assert issubclass(parser, KimiK3Parser)
+    assert issubclass(parser.tool_parser_cls, KimiK3ToolParser)
+    assert issubclass(parser.reasoning_parser_cls, KimiK3ReasoningParser)
+    # Calls go through a structural tag, with every tool's arguments held to its schema.
+    assert parser.tool_parser_cls.structural_tag_model in SUPPORTED_STRUCTURAL_TAG_MODELS
+    assert parser.tool_strict_level is ToolStrictLevel.PARAMETER
 
 
 def test_vllm_resolves_the_separate_dspark_draft(engine_configs, checkpoints):

@@ -1,0 +1,289 @@
+"""Tool calls, reasoning and structured outputs of chat requests, through vLLM's own pieces.
+
+A request is mirrored into vLLM's `ChatCompletionRequest` so that vLLM's parser for the served
+model (`ParserManager.get_parser`: the configured tool parser, e.g. `hermes` or `kimi_k3`, and
+reasoning parser) can adjust it as vLLM's server does: with tools, the parser replaces the
+request's constraint with a structural tag that holds each call to one of the tools and its
+arguments to that tool's JSON Schema. moonserve runs it at vLLM's strict level `parameter` by
+default, so arguments validate in every `tool_choice` mode, not only for `strict: true` tools.
+`response_format` and `structured_outputs` become the same `StructuredOutputsParams`, checked
+here with vLLM's own validation so a constraint the backend cannot enforce is a 400 naming the
+field, never a silently unconstrained answer.
+
+Outputs go back through the same parser: `ChoiceParser.finish` for a whole answer,
+`ChoiceParser.delta` per streamed delta (one parser per choice: they keep stream state).
+
+A plain chat request (no tools, no constraint, no reasoning parser) skips all of this.
+
+Example:
+    >>> parsing = ChatParsing(tokenizer, ChatConfig(tools=ToolsConfig(parser="hermes")))
+    >>> plan = parsing.plan(body)              # 400 for a constraint the backend can't enforce
+    >>> plan.structured_outputs                 # kwargs of StructuredOutputsParams, or None
+    >>> plan.choice_parser(prompt_ids).finish(choice)  # {"content", "tool_calls", ...}
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from moonserve.pipeline.api.errors import APIError, bad_request
+from moonserve.pipeline.api.protocol import ChatCompletionRequest, ChoiceOutput, NamedToolChoice
+from moonserve.pipeline.config import ChatConfig
+
+logger = logging.getLogger("moonserve.router")
+
+def client_errors() -> tuple[type[Exception], ...]:
+    """What vLLM raises for a bad request (its validation errors are not all ValueErrors)."""
+    from vllm.exceptions import VLLMClientError
+
+    return ValueError, VLLMClientError
+
+
+def unsupported_keyword(schema: dict) -> tuple[str, str] | None:
+    """(JSON path, keyword) of the innermost part of `schema` xgrammar cannot enforce."""
+    from vllm.v1.structured_output.backend_xgrammar import has_xgrammar_unsupported_json_features
+
+    if not has_xgrammar_unsupported_json_features(schema):
+        return None
+
+    def walk(node, path: str) -> tuple[str, str] | None:
+        children = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, value in children:
+            if isinstance(value, (dict, list)):
+                inner = f"{path}[{key!r}]" if isinstance(key, str) else f"{path}[{key}]"
+                if isinstance(value, list) or has_xgrammar_unsupported_json_features(value):
+                    found = walk(value, inner)
+                    if found:
+                        return found
+        if isinstance(node, dict) and has_xgrammar_unsupported_json_features(node):
+            # The keyword whose removal makes this part enforceable (its parts are; `type` only
+            # selects which checks apply).
+            keyword = next((k for k in node if k != "type" and not
+                            has_xgrammar_unsupported_json_features(
+                                {key: value for key, value in node.items() if key != k})), "?")
+            return path, keyword
+        return None
+
+    return walk(schema, "")
+
+
+class ChatParsing:
+    """One per Router replica: vLLM's parser class for the served model (None without parsers)."""
+
+    def __init__(self, tokenizer, config: ChatConfig):
+        from vllm.parser.parser_manager import ParserManager
+
+        self.tokenizer = tokenizer
+        self.config = config
+        self.parser_cls = ParserManager.get_parser(
+            tool_parser_name=config.tools.parser, reasoning_parser_name=config.reasoning.parser,
+            enable_auto_tools=config.tools.parser is not None,
+            tool_strict_level=config.tools.strict_level, tokenizer=tokenizer)
+
+    def plan(self, body: ChatCompletionRequest) -> ChatPlan:
+        """What this request needs from the engine and from the output parser; 400s first."""
+        calls_tools = bool(body.tools) and body.effective_tool_choice() != "none"
+        if calls_tools and self.config.tools.parser is None:
+            raise bad_request("tools: this model has no tool parser configured "
+                              "(language_model.chat.tools.parser)", "tools")
+        if not self.needs_vllm(body):  # plain chat: text in, text out, nothing to parse per token
+            return ChatPlan(self, body, None, None, body.skip_special_tokens)
+        request = self.vllm_request(body)
+        if self.parser_cls is not None and calls_tools:
+            self.check_tool_schemas(body)
+        parser = self.new_parser(request, body)
+        if parser is not None:
+            try:
+                request = parser.adjust_request(request)
+            except client_errors() as exc:
+                raise bad_request(f"tools: {exc}", "tools") from None
+        structured = request.extract_structured_outputs()
+        if structured is not None:
+            self.check_structured_outputs(structured, body)
+        return ChatPlan(self, body, request, structured_outputs=None if structured is None else
+                        {k: v for k, v in vars(structured).items()
+                         if not k.startswith("_") and v not in (None, False)},
+                        skip_special_tokens=request.skip_special_tokens)
+
+    def needs_vllm(self, body: ChatCompletionRequest) -> bool:
+        """Whether the request's output needs vLLM's parsers or its constraint their checks."""
+        constrained = body.structured_outputs is not None or (
+            body.response_format is not None and body.response_format.type != "text")
+        return bool(body.tools) or constrained or self.config.reasoning.parser is not None
+
+    def vllm_request(self, body: ChatCompletionRequest):
+        """The request as vLLM's protocol model (text only: the parsers never read images)."""
+        from vllm.entrypoints.openai.chat_completion.protocol import (
+            ChatCompletionRequest as VllmRequest,
+        )
+
+        fields = body.model_dump(by_alias=True, exclude_none=True, include={
+            "model", "tools", "parallel_tool_calls", "response_format", "structured_outputs",
+            "chat_template_kwargs", "reasoning_effort", "skip_special_tokens"})
+        choice = body.effective_tool_choice()
+        messages = [{**m.model_dump(exclude_none=True, include={
+            "role", "name", "tool_calls", "tool_call_id", "reasoning_content"}),
+            "content": m.render("")} for m in body.messages]
+        try:
+            return VllmRequest(messages=messages, **fields, tool_choice=choice if isinstance(
+                choice, str) else choice.model_dump())
+        except client_errors() as exc:
+            param = getattr(exc, "parameter", None) or "messages"
+            raise bad_request(f"{param}: {exc}", param) from None
+
+    def new_parser(self, request, body: ChatCompletionRequest):
+        if self.parser_cls is None:
+            return None
+        return self.parser_cls(self.tokenizer, request.tools,
+                               chat_template_kwargs=body.template_kwargs())
+
+    def check_tool_schemas(self, body: ChatCompletionRequest) -> None:
+        """Every tool the grammar holds to its schema must be one xgrammar can enforce: at strict
+        level `parameter` every tool the call may name, below it the `strict: true` ones."""
+        choice = body.effective_tool_choice()
+        for i, tool in enumerate(body.tools):
+            if isinstance(choice, NamedToolChoice) and tool.function.name != choice.function.name:
+                continue
+            if self.config.tools.strict_level != "parameter" and not tool.function.strict:
+                continue
+            found = unsupported_keyword(tool.function.parameters or {})
+            if found:
+                path, keyword = found
+                param = f"tools[{i}].function.parameters"
+                raise bad_request(
+                    f"{param}: the keyword {keyword!r}{f' at {path}' if path else ''} cannot be "
+                    f"enforced by the structured-output backend, so the arguments of tool "
+                    f"{tool.function.name!r} could not be guaranteed to validate; remove it",
+                    param)
+
+    def check_structured_outputs(self, structured, body: ChatCompletionRequest) -> None:
+        """vLLM's own check of a constraint, as its engine runs it at `backend: auto`."""
+        from vllm.config import StructuredOutputsConfig
+        from vllm.sampling_params import SamplingParams
+
+        param = "structured_outputs" if body.structured_outputs is not None else \
+            "response_format" if body.response_format is not None else "tools"
+        try:
+            # On a copy: the check rewrites some constraints in place (a choice into a grammar).
+            params = SamplingParams(structured_outputs=copy.deepcopy(structured))
+            # model_config is read only for `is_diffusion`.
+            params._validate_structured_outputs(SimpleNamespace(is_diffusion=False),
+                                                StructuredOutputsConfig(), self.tokenizer)
+        except client_errors() as exc:
+            raise bad_request(f"{param}: {exc}", param) from None
+
+
+@dataclass
+class ChatPlan:
+    """One request's constraint for the engine and the parsers of its choices."""
+
+    parsing: ChatParsing
+    body: ChatCompletionRequest
+    # vLLM's ChatCompletionRequest, adjusted by the parser; None for a plain chat request.
+    request: object
+    structured_outputs: dict | None
+    skip_special_tokens: bool
+
+    def reasoning_ended(self, prompt_ids: list[int]) -> bool | None:
+        """vLLM's `reasoning_ended` for the engine: where a constraint starts applying."""
+        if self.structured_outputs is None:
+            return None
+        return self.request.resolve_reasoning_ended(
+            self.parsing.new_parser(self.request, self.body), prompt_ids)
+
+    def choice_parser(self, prompt_ids: list[int]) -> ChoiceParser:
+        """A parser for one choice of the request whose prompt is `prompt_ids`."""
+        parser = None if self.request is None else self.parsing.new_parser(self.request, self.body)
+        return ChoiceParser(self, parser, prompt_ids)
+
+    @property
+    def forced_call(self) -> bool:
+        """`required` or a named tool: every answer must carry a complete call."""
+        choice = self.body.effective_tool_choice()
+        return bool(self.body.tools) and (choice == "required" or
+                                          isinstance(choice, NamedToolChoice))
+
+
+class ChoiceParser:
+    """The output of one choice split into content, reasoning and tool calls (the interface of
+    `moonserve.pipeline.api.streaming.PlainChoice`)."""
+
+    def __init__(self, plan: ChatPlan, parser, prompt_ids: list[int]):
+        self.plan = plan
+        self.parser = parser
+        # Where reasoning stands at the first token (a template may open the thinking).
+        self.prompt_ids = prompt_ids
+        if parser is not None:
+            parser.set_prompt_token_ids(prompt_ids)
+        self.calls_streamed = False
+        self.streamed = ChoiceOutput(0)  # what the stream carried, for the final check
+        self.named_call = isinstance(plan.body.effective_tool_choice(), NamedToolChoice)
+
+    @property
+    def uses_tools(self) -> bool:
+        return self.parser is not None and self.parser.tool_parser is not None and \
+            bool(self.plan.body.tools) and self.plan.body.effective_tool_choice() != "none"
+
+    def finish(self, choice: ChoiceOutput) -> dict:
+        """The message fields of a whole answer."""
+        if self.parser is None:
+            return {"content": choice.text}
+        reasoning, content, calls = self.parser.parse(
+            choice.text, self.plan.request, enable_auto_tools=self.uses_tools,
+            model_output_token_ids=choice.token_ids)
+        from vllm.renderers.chat_utils import make_tool_call_id
+
+        tool_calls = [{"id": c.id or make_tool_call_id(), "type": "function",
+                       "function": {"name": c.name, "arguments": c.arguments}}
+                      for c in calls or ()]
+        if self.plan.body.parallel_tool_calls is False:
+            tool_calls = tool_calls[:1]
+        if self.plan.forced_call and not tool_calls:
+            raise forced_call_missing(choice)
+        message = {"content": content or (None if tool_calls else "")}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        return message
+
+    def delta(self, text: str, token_ids: list[int], finish_reason: str | None) -> dict | None:
+        """The chunk's `delta` (without role), or None when there is nothing to send yet."""
+        if self.parser is None:
+            return {"content": text} if text else None
+        message = self.parser.parse_delta(text, list(token_ids), self.plan.request,
+                                          self.prompt_ids, finished=finish_reason is not None)
+        out = {}
+        if message is not None:
+            if message.content:
+                out["content"] = message.content
+            if message.reasoning:
+                out["reasoning_content"] = message.reasoning
+            calls = [c.model_dump(exclude_none=True) for c in message.tool_calls or ()]
+            if self.plan.body.parallel_tool_calls is False:
+                calls = [c for c in calls if c["index"] == 0]
+            if calls:
+                self.calls_streamed = True
+                out["tool_calls"] = calls
+        self.streamed.text_parts.append(text)
+        self.streamed.token_ids.extend(token_ids)
+        if finish_reason is not None and self.plan.forced_call:
+            # A call whose name went out may still be cut short: parse the whole answer again.
+            self.streamed.finish_reason = finish_reason
+            ChoiceParser(self.plan, self.plan.parsing.new_parser(self.plan.request, self.plan.body),
+                         self.prompt_ids).finish(self.streamed)
+        return out or None
+
+
+def forced_call_missing(choice: ChoiceOutput) -> APIError:
+    """A `required` or named tool_choice answer that ended without a complete call."""
+    reason = choice.finish_reason
+    if reason == "length":
+        return bad_request(
+            "max_tokens: the answer reached max_tokens before its tool call was complete; raise "
+            "max_tokens (tool_choice requires a call)", "max_tokens", "tool_call_incomplete")
+    return APIError(500, f"the model ended ({reason}) without the tool call that tool_choice "
+                    "requires", type="internal_error", code="tool_call_missing")
