@@ -180,7 +180,7 @@ class Router:
             ids = await self.tokenize(lambda b: self.prompts.chat_prompt_ids(
                 b.messages, self.images.placeholder if parts else "", image_tokens,
                 add_generation_prompt=b.add_generation_prompt,
-                template_kwargs=b.chat_template_kwargs), body,
+                template_kwargs=b.template_kwargs()), body,
                 sum(len(m.text()) for m in body.messages))
             if body.add_special_tokens:
                 ids = self.prompts.tokenizer.build_inputs_with_special_tokens(ids)

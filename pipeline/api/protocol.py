@@ -428,13 +428,24 @@ class TokenizeRequest(RequestModel):
     add_special_tokens: StrictBool | None = None
     return_token_strs: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # With messages: the tools the chat template lists (they count toward the prompt).
+    tools: list[ToolParam] | None = None
 
     @model_validator(mode="after")
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
             raise bad_request("prompt: send exactly one of prompt and messages", "prompt")
+        if self.tools is not None and self.messages is None:
+            raise bad_request("tools: only with messages", "tools")
+        for i, message in enumerate(self.messages or ()):
+            message.check(i)
         check_template_kwargs(self.chat_template_kwargs)
         return self
+
+    def template_kwargs(self) -> dict:
+        tools = {"tools": [t.model_dump(exclude_none=True) for t in self.tools]} if self.tools \
+            else {}
+        return {**tools, **(self.chat_template_kwargs or {})}
 
     def image_parts(self) -> list[tuple[int, int, str]]:
         return [(i, j, url) for i, m in enumerate(self.messages or ()) for j, url in m.image_urls()]

@@ -119,7 +119,8 @@ tokenize_body = st.fixed_dictionaries(
                   "tokens": either(st.lists(st.integers(-5, 60000), max_size=8)),
                   "add_generation_prompt": either(st.booleans()),
                   "add_special_tokens": either(st.booleans()),
-                  "return_token_strs": either(st.booleans()), "surprise": json_value})
+                  "return_token_strs": either(st.booleans()),
+                  "tools": tool_fields["tools"], "surprise": json_value})
 
 
 @pytest.fixture(scope="module")

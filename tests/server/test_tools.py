@@ -259,3 +259,13 @@ def test_pydantic_ai_gets_a_validated_object(server):
     agent = Agent(model, output_type=City, model_settings={"temperature": 0, "max_tokens": 96})
     result = agent.run_sync("Describe Paris.")
     assert isinstance(result.output, City) and result.output.name
+
+
+def test_tokenize_counts_the_tools_a_request_is_charged_for(client, server):
+    response = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                              max_tokens=1)
+    counted = httpx.post(f"{server.base_url}/tokenize",
+                         json={"model": MODEL, "messages": ASK, "tools": TOOLS}, timeout=30).json()
+    without = httpx.post(f"{server.base_url}/tokenize",
+                         json={"model": MODEL, "messages": ASK}, timeout=30).json()
+    assert counted["count"] == response.usage.prompt_tokens > without["count"]
