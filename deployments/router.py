@@ -49,7 +49,7 @@ from moonserve.pipeline.config import ChatConfig, RouterConfig, VisionConfig
 from moonserve.pipeline.models.chat_templates import chat_template_text
 from moonserve.pipeline.metrics import RequestTrace, RouterMetrics
 from moonserve.pipeline.router.chat_parsing import ChatParsing, ChatPlan
-from moonserve.pipeline.router.failures import lm_failure
+from moonserve.pipeline.router.failures import gather_calls, lm_failure
 from moonserve.pipeline.router.fan_in import EncodingImages, ImageFanIn
 
 # Prompts longer than this are tokenized off the event loop, so a long-context request does not
@@ -213,7 +213,7 @@ class Router:
         if self.images is not None:
             checks += [self.images.preprocessor.ready.remote(), self.images.encoder.stats.remote()]
         try:
-            await asyncio.wait_for(asyncio.gather(*checks), HEALTH_TIMEOUT_S)
+            await asyncio.wait_for(gather_calls(*checks), HEALTH_TIMEOUT_S)
         except Exception as exc:  # any failure means "not ready"; the reason goes to the body
             return JSONResponse({"status": "unavailable", "reason": type(exc).__name__}, 503,
                                 headers={"Retry-After": "5"})

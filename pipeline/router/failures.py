@@ -7,6 +7,7 @@ stage. These need Ray's exception types, so they live here and not in `moonserve
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from ray.exceptions import (
@@ -57,3 +58,13 @@ def lm_failure(exc: Exception, request_id: str) -> APIError:
                         headers={"Retry-After": "2"})
     return APIError(500, f"generation failed ({type(exc).__name__}); request {request_id}",
                     type="internal_error", code="generation_failed")
+
+
+def gather_calls(*calls) -> asyncio.Future:
+    """`asyncio.gather` whose result is always read: when the request awaiting it is cancelled
+    (client gone), its calls end with CancelledError after nobody awaits the gather any more,
+    and asyncio would log "_GatheringFuture exception was never retrieved" with a traceback per
+    request. Serve already logs the cancelled request in one line."""
+    gathered = asyncio.gather(*calls)
+    gathered.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return gathered

@@ -10,11 +10,10 @@ Example (`preprocessor` and `encoder` are the ImagePreprocessor and VisionEncode
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 
 from moonserve.pipeline.api.protocol import ImageInfo
-from moonserve.pipeline.router.failures import image_failure
+from moonserve.pipeline.router.failures import gather_calls, image_failure
 
 
 class ImageFanIn:
@@ -31,7 +30,7 @@ class ImageFanIn:
 
     async def layout(self, parts: list[tuple[int, int, str]]) -> list[ImageInfo]:
         """Every image preprocessed (its token count known), none encoded."""
-        return list(await asyncio.gather(*(self.preprocess(i, j, url) for i, j, url in parts)))
+        return list(await gather_calls(*(self.preprocess(i, j, url) for i, j, url in parts)))
 
     async def preprocess(self, i: int, j: int, url: str) -> ImageInfo:
         try:

@@ -528,3 +528,26 @@ async def test_health_reports_an_unhealthy_lm_as_503(text_client, lm):
     r = await text_client.get("/health")
     assert r.status_code == 503 and r.headers["retry-after"] == "5"
     assert r.json() == {"status": "unavailable", "reason": "RayTaskError(RuntimeError)"}
+
+
+@pytest.mark.parametrize("gather, logged", [(asyncio.gather, True), ("gather_calls", False)])
+async def test_calls_cancelled_after_their_request_left_log_nothing(caplog, gather, logged):
+    """A Serve call raises CancelledError itself when its request is cancelled; by then nobody
+    awaits the gather. asyncio.gather then logs a traceback per request; gather_calls does not."""
+    import gc
+
+    from moonserve.pipeline.router.failures import gather_calls
+
+    gather = gather_calls if gather == "gather_calls" else gather
+
+    async def call_of_a_cancelled_request():
+        raise asyncio.CancelledError
+
+    gathered = gather(call_of_a_cancelled_request())
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert gathered.done()
+    del gathered
+    with caplog.at_level("ERROR", logger="asyncio"):
+        gc.collect()
+    assert ("exception was never retrieved" in caplog.text) is logged
