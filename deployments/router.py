@@ -15,6 +15,7 @@ Example (without Serve, with any object that has the LanguageModel's methods):
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -48,9 +49,11 @@ from moonserve.pipeline.api.streaming import ResponseFormat, StreamEncoder, sse
 from moonserve.pipeline.config import ChatConfig, RouterConfig, VisionConfig
 from moonserve.pipeline.models.chat_templates import chat_template_text
 from moonserve.pipeline.metrics import RequestTrace, RouterMetrics
-from moonserve.pipeline.router.chat_parsing import ChatParsing, ChatPlan
+from moonserve.pipeline.router.chat_parsing import ChatParsing, ChatPlan, rendering_for
 from moonserve.pipeline.router.failures import gather_calls, lm_failure
 from moonserve.pipeline.router.fan_in import EncodingImages, ImageFanIn
+
+logger = logging.getLogger("moonserve.router")
 
 # Prompts longer than this are tokenized off the event loop, so a long-context request does not
 # stall the streams of everyone else on this replica.
@@ -74,7 +77,8 @@ class Router:
         self.prompts = PromptBuilder.from_pretrained(
             model_path, trust_remote_code,
             chat_template_text(chat.template) if chat.template else None)
-        self.parsing = ChatParsing(self.prompts.tokenizer, chat)
+        self.prompts.rendering = rendering_for(model_path)
+        self.parsing = ChatParsing(self.prompts.tokenizer, chat, self.prompts.rendering)
         self.images = None if vision is None else \
             ImageFanIn(vision.image_placeholder, preprocessor, encoder)
         self.image_placeholder_id = None if self.images is None else \
@@ -120,8 +124,10 @@ class Router:
         placeholder = "" if self.images is None else self.images.placeholder
         try:
             prompt_ids = await self.tokenize(
-                lambda b: self.prompts.chat_prompt_ids(b.messages, placeholder, images.num_tokens(),
-                                                       template_kwargs=b.template_kwargs()), body,
+                lambda b: self.prompts.chat_prompt_ids(
+                    b.messages, placeholder, images.num_tokens(), template_kwargs=b.template_kwargs(),
+                    template_param="chat_template_kwargs" if b.chat_template_kwargs else "messages"),
+                body,
                 sum(len(m.text()) for m in body.messages))
         except BaseException:
             images.release()
@@ -254,13 +260,15 @@ class Router:
             if job.body.stream:
                 return await self.respond_stream(job, generate, slot, trace)
             completion = await self.complete(generate, trace, job.image_embeds)
+            # Parsed here: an answer without the call tool_choice requires is an error.
+            body = job.response_format().full(completion)
         except BaseException:
             slot.release()
             trace.finish(ok=False)
             raise
         slot.release()
         trace.finish(ok=True)
-        return JSONResponse(job.response_format().full(completion))
+        return JSONResponse(body)
 
     async def respond_stream(self, job: Job, generate: GenerateRequest, slot: Slot,
                              trace: RequestTrace) -> Response:
@@ -291,6 +299,10 @@ class Router:
         except APIError as exc:
             # Headers are gone; OpenAI clients read an `error` event in the stream.
             yield sse(exc.body())
+        except Exception as exc:  # a bug past the headers still ends the stream as a client reads it
+            logger.exception("request %s: the stream failed", encoder.fmt.request_id)
+            yield sse(APIError(500, f"the stream failed ({type(exc).__name__})",
+                               type="internal_error", code="stream_failed").body())
         finally:
             await deltas.aclose()
         yield encoder.closing()

@@ -268,6 +268,9 @@ class LimitsConfig(StrictModel):
     default_max_tokens: PositiveInt | None = None
     # Image parts in one request (each is preprocessed and encoded).
     max_images: int = Field(8, ge=0)
+    # Choices (`n`) in one request: they share the request's lane slot but each is an engine
+    # sequence, so this bounds what one admitted request can put into the engine.
+    max_choices: PositiveInt = 16
 
     @model_validator(mode="after")
     def _default_within_cap(self) -> LimitsConfig:

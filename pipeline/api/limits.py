@@ -9,6 +9,7 @@ from moonserve.pipeline.api.protocol import ChatCompletionRequest, ChatMessage, 
 
 def check_chat_limits(request: ChatCompletionRequest, limits: LimitsConfig) -> None:
     check_message_limits(request.messages, len(request.image_parts()), limits)
+    check_choices(request.n, limits)
     param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
     check_max_tokens(request.requested_max_tokens(), param, limits)
 
@@ -37,6 +38,13 @@ def check_completion_limits(request: CompletionRequest, limits: LimitsConfig) ->
     if isinstance(request.prompt, str):
         check_prompt_chars(request.prompt, limits)
     check_max_tokens(request.max_tokens, "max_tokens", limits)
+    check_choices(request.n, limits)
+
+
+def check_choices(n: int, limits: LimitsConfig) -> None:
+    if n > limits.max_choices:
+        raise bad_request(f"n: {n} choices exceed this server's limit of {limits.max_choices} per "
+                          "request", "n", "too_many_choices")
 
 
 def check_max_tokens(requested: int | None, param: str, limits: LimitsConfig) -> None:

@@ -21,10 +21,12 @@ class PromptBuilder:
         >>> ids = builder.chat_prompt_ids(request.messages)        # list[int]
     """
 
-    def __init__(self, tokenizer, chat_template: str | None = None):
+    def __init__(self, tokenizer, chat_template: str | None = None, rendering=None):
         self.tokenizer = tokenizer
         # Replaces the checkpoint's template (language_model.chat.template); None: its own.
         self.chat_template = chat_template
+        # How vLLM renders this model's chats (`Rendering`; Kimi K3 has its own).
+        self.rendering = rendering or Rendering()
 
     @classmethod
     def from_pretrained(cls, path: str, trust_remote_code: bool = False,
@@ -44,22 +46,27 @@ class PromptBuilder:
 
     def chat_prompt_ids(self, messages: list[ChatMessage], image_placeholder: str = "",
                         image_tokens: list[int] | None = None, *, add_generation_prompt: bool = True,
-                        template_kwargs: dict | None = None) -> list[int]:
+                        template_kwargs: dict | None = None,
+                        template_param: str = "messages") -> list[int]:
         """Prompt ids; with images, each image's placeholder expanded to its token count.
         `template_kwargs` are the other variables of the chat template (`tools`, a request's
-        `chat_template_kwargs`, ...)."""
-        conversation = [m.template_dict(image_placeholder) for m in messages]
+        `chat_template_kwargs`, ...); a template that fails is a 400 naming `template_param`."""
+        rendering = self.rendering
+        conversation = rendering.conversation([m.template_dict(image_placeholder)
+                                               for m in messages])
         try:
-            text = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=False,
-                chat_template=self.chat_template, **(template_kwargs or {}))
+            rendered = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt,
+                tokenize=rendering.eager, chat_template=self.chat_template,
+                **rendering.template_kwargs(template_kwargs or {}))
         except TemplateError as exc:
-            if not template_kwargs:
-                raise
-            raise bad_request(f"messages: the chat template failed with this request: {exc}",
-                              "messages") from None
+            raise bad_request(f"{template_param}: the chat template cannot render this request: "
+                              f"{exc}", template_param) from None
         # The template writes the special tokens as text; don't add another BOS on top.
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = rendered if rendering.eager else \
+            self.tokenizer.encode(rendered, add_special_tokens=False)
+        if isinstance(ids, dict):  # some tokenizers return a BatchEncoding
+            ids = ids["input_ids"]
         if not image_tokens:
             return ids
         try:
@@ -73,6 +80,22 @@ class PromptBuilder:
             return self.tokenizer.encode(request.prompt)
         check_token_ids(request.prompt, info, "prompt")
         return list(request.prompt)
+
+
+class Rendering:
+    """How a model's chat is rendered: the checkpoint's template to text, then tokenized (vLLM's
+    `HfRenderer`). A model vLLM renders its own way overrides these (Kimi K3:
+    `moonserve.pipeline.router.chat_parsing.KimiK3Rendering`)."""
+
+    # Tokenize inside apply_chat_template (structural markers as special tokens, user text as
+    # ordinary tokens) instead of rendering text and tokenizing it again.
+    eager = False
+
+    def conversation(self, messages: list[dict]) -> list[dict]:
+        return messages
+
+    def template_kwargs(self, kwargs: dict) -> dict:
+        return kwargs
 
 
 def check_token_ids(ids: list[int], info: ModelInfo, param: str) -> None:

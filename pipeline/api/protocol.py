@@ -253,6 +253,9 @@ class SamplingFields(RequestModel):
 
     @model_validator(mode="after")
     def _check_common(self):
+        if self.n > 1 and self.temperature == 0:
+            raise bad_request("n: greedy sampling (temperature 0) gives one answer; set n to 1 or "
+                              "a temperature above 0", "n")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if len(stops) > 4 or any(not s for s in stops):
             raise bad_request("stop: at most 4 non-empty sequences", "stop")
@@ -303,7 +306,8 @@ class ChatCompletionRequest(SamplingFields):
     modalities: Any = None
     prediction: Any = None
     # Mapped onto the chat template's thinking switch (vLLM's `enable_thinking`).
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh",
+                              "max"] | None = None
     web_search_options: Any = None
     metadata: dict[str, StrictStr] | None = None
     store: StrictBool | None = None
@@ -443,8 +447,9 @@ class TokenizeRequest(RequestModel):
         return self
 
     def template_kwargs(self) -> dict:
-        tools = {"tools": [t.model_dump(exclude_none=True) for t in self.tools]} if self.tools \
-            else {}
+        """As a chat request with these tools passes them (`tool_choice` at its default)."""
+        tools = {"tools": [t.model_dump(exclude_none=True) for t in self.tools],
+                 "tool_choice": "auto"} if self.tools else {}
         return {**tools, **(self.chat_template_kwargs or {})}
 
     def image_parts(self) -> list[tuple[int, int, str]]:

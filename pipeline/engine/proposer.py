@@ -237,6 +237,13 @@ class DraftClient:
         self.next_attempt = time.monotonic() + RECONNECT_INTERVAL_S
 
 
+def seeded_sampling(batch, row: int) -> bool:
+    """A sampled request with a `seed`: it gets no drafts. Verification draws its random numbers
+    per draft token, so whether a draft arrived before the deadline would change the answer a
+    seed must repeat (with no drafts it is the same every time)."""
+    return row in batch.generators and batch.req_ids[row] in batch.random_reqs
+
+
 def find_model_runner(frame):
     """The vLLM model runner constructing us: the first caller frame whose `self` is one."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -284,12 +291,13 @@ class ServiceProposer:
         return group.broadcast_object(drafts, src=0)
 
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
-        req_ids = self.runner.input_batch.req_ids
+        batch = self.runner.input_batch
+        req_ids = batch.req_ids
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         rows, slots, room = [], [], []
         for i, sampled in enumerate(sampled_token_ids):
             num_tokens = int(num_tokens_no_spec[i])
-            if not sampled or num_tokens >= self.max_model_len:
+            if not sampled or num_tokens >= self.max_model_len or seeded_sampling(batch, i):
                 continue
             request_id = req_ids[i]
             position = min(self.sent.get(request_id, 0), num_tokens)

@@ -15,6 +15,10 @@ Outputs go back through the same parser: `ChoiceParser.finish` for a whole answe
 
 A plain chat request (no tools, no constraint, no reasoning parser) skips all of this.
 
+Rendering follows vLLM too: a checkpoint vLLM renders with its own renderer (Kimi K3's
+`KimiK3Renderer`) gets the same conversation and template arguments here (`KimiK3Rendering`);
+every other model its HF chat template (`moonserve.pipeline.api.prompt.Rendering`).
+
 Example:
     >>> parsing = ChatParsing(tokenizer, ChatConfig(tools=ToolsConfig(parser="hermes")))
     >>> plan = parsing.plan(body)              # 400 for a constraint the backend can't enforce
@@ -25,11 +29,14 @@ Example:
 from __future__ import annotations
 
 import copy
+import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 from moonserve.pipeline.api.errors import APIError, bad_request
+from moonserve.pipeline.api.prompt import Rendering
 from moonserve.pipeline.api.protocol import ChatCompletionRequest, ChoiceOutput, NamedToolChoice
 from moonserve.pipeline.config import ChatConfig
 
@@ -70,14 +77,55 @@ def unsupported_keyword(schema: dict) -> tuple[str, str] | None:
     return walk(schema, "")
 
 
-class ChatParsing:
-    """One per Router replica: vLLM's parser class for the served model (None without parsers)."""
+class KimiK3Rendering(Rendering):
+    """What vLLM's `KimiK3Renderer` does around the tokenizer's apply_chat_template: tool results
+    reordered to their calls (`tool`, `index` added), `enable_thinking` / `reasoning_effort` as
+    K3's `thinking` / `thinking_effort`, `tool_choice` only when not `auto`, tokens produced by
+    the template itself (its markers are special tokens, the text around them is not)."""
 
-    def __init__(self, tokenizer, config: ChatConfig):
+    eager = True
+
+    def conversation(self, messages: list[dict]) -> list[dict]:
+        from vllm.renderers.kimi_k3 import _normalize_k3_tool_messages
+
+        return _normalize_k3_tool_messages(messages)
+
+    def template_kwargs(self, kwargs: dict) -> dict:
+        from vllm.renderers.kimi_k3 import _apply_k3_thinking_kwargs
+
+        kwargs = dict(kwargs)
+        if kwargs.get("tool_choice") == "auto":
+            del kwargs["tool_choice"]
+        try:
+            _apply_k3_thinking_kwargs(kwargs)
+        except client_errors() as exc:
+            raise bad_request(f"reasoning_effort: {exc}", "reasoning_effort") from None
+        return kwargs
+
+
+# Architectures vLLM renders with its own renderer instead of the HF chat template
+# (vllm/config/model.py sets tokenizer_mode from the architecture).
+RENDERINGS = {"KimiK3ForConditionalGeneration": KimiK3Rendering}
+
+
+def rendering_for(model_path: str) -> Rendering:
+    """The rendering vLLM uses for the checkpoint at `model_path` (by its architecture)."""
+    config = Path(model_path) / "config.json"
+    architectures = json.loads(config.read_text()).get("architectures", []) \
+        if config.is_file() else []
+    return next((RENDERINGS[a]() for a in architectures if a in RENDERINGS), Rendering())
+
+
+class ChatParsing:
+    """One per Router replica: vLLM's parser class for the served model (None without parsers),
+    and how its chats are rendered."""
+
+    def __init__(self, tokenizer, config: ChatConfig, rendering: Rendering | None = None):
         from vllm.parser.parser_manager import ParserManager
 
         self.tokenizer = tokenizer
         self.config = config
+        self.rendering = rendering or Rendering()
         self.parser_cls = ParserManager.get_parser(
             tool_parser_name=config.tools.parser, reasoning_parser_name=config.reasoning.parser,
             enable_auto_tools=config.tools.parser is not None,
@@ -137,8 +185,10 @@ class ChatParsing:
     def new_parser(self, request, body: ChatCompletionRequest):
         if self.parser_cls is None:
             return None
+        # The kwargs the template got: a reasoning parser reads the thinking switch from them.
         return self.parser_cls(self.tokenizer, request.tools,
-                               chat_template_kwargs=body.template_kwargs())
+                               chat_template_kwargs=self.rendering.template_kwargs(
+                                   body.template_kwargs()))
 
     def check_tool_schemas(self, body: ChatCompletionRequest) -> None:
         """Every tool the grammar holds to its schema must be one xgrammar can enforce: at strict
@@ -242,7 +292,7 @@ class ChoiceParser:
         if self.plan.body.parallel_tool_calls is False:
             tool_calls = tool_calls[:1]
         if self.plan.forced_call and not tool_calls:
-            raise forced_call_missing(choice)
+            raise forced_call_missing(choice, self.plan.body)
         message = {"content": content or (None if tool_calls else "")}
         if reasoning is not None:
             message["reasoning_content"] = reasoning
@@ -278,12 +328,18 @@ class ChoiceParser:
         return out or None
 
 
-def forced_call_missing(choice: ChoiceOutput) -> APIError:
+def forced_call_missing(choice: ChoiceOutput, body: ChatCompletionRequest) -> APIError:
     """A `required` or named tool_choice answer that ended without a complete call."""
     reason = choice.finish_reason
     if reason == "length":
         return bad_request(
             "max_tokens: the answer reached max_tokens before its tool call was complete; raise "
             "max_tokens (tool_choice requires a call)", "max_tokens", "tool_call_incomplete")
+    if reason == "stop" and (body.stop or body.stop_token_ids):
+        # The grammar holds the call, but vLLM checks stop strings and ids on the output anyway.
+        param = "stop" if body.stop else "stop_token_ids"
+        return bad_request(
+            f"{param}: a stop sequence ended the answer inside the tool call tool_choice "
+            "requires; remove it or use tool_choice auto", param, "tool_call_incomplete")
     return APIError(500, f"the model ended ({reason}) without the tool call that tool_choice "
                     "requires", type="internal_error", code="tool_call_missing")

@@ -28,6 +28,12 @@ REPLICA_FAILURES = (RayActorError, ActorDiedError, ActorUnavailableError, OwnerD
                     ObjectLostError, BackPressureError, DeploymentUnavailableError)
 
 
+def is_vllm_client_error(exc: BaseException) -> bool:
+    from vllm.exceptions import VLLMClientError
+
+    return isinstance(exc, VLLMClientError)
+
+
 def retryable(exc: BaseException) -> bool:
     """Failures of a replica or of Serve (not of the request): the client should retry."""
     return isinstance(exc, REPLICA_FAILURES)
@@ -51,6 +57,11 @@ def lm_failure(exc: Exception, request_id: str) -> APIError:
     """Map a failure of the LM call to an API error (503 when the replica or engine is gone)."""
     if isinstance(exc, APIError):
         return exc
+    cause = getattr(exc, "cause", exc)  # a RayTaskError carries the replica's exception
+    if is_vllm_client_error(cause):
+        # vLLM refused the request's parameters: the client's to fix, as vLLM's server says.
+        param = getattr(cause, "parameter", None)
+        return APIError(400, f"{param + ': ' if param else ''}{cause}", param=param)
     logger.warning("request %s failed in the language model: %r", request_id, exc)
     if retryable(exc):
         return APIError(503, "the language model replica is unavailable; retry the request",

@@ -24,6 +24,8 @@ CHAT_CASES = [
     (chat(top_p=0), 400, "top_p", "greater than 0"),
     (chat(n=0), 400, "n", "greater than or equal to 1"),
     (chat(n=129), 400, "n", "less than or equal to 128"),
+    (chat(n=17), 400, "n", "limit of 16"),
+    (chat(n=2, temperature=0), 400, "n", "greedy sampling"),
     (chat(stop=["a", "b", "c", "d", "e"]), 400, "stop", "at most 4"),
     (chat(functions=[{"name": "f"}]), 400, "functions", "not supported"),
     (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]),

@@ -140,7 +140,10 @@ def check_response(r: httpx.Response, stream: bool) -> None:
         events = [line for line in r.text.split("\n\n") if line]
         assert events[-1] == "data: [DONE]"
         for event in events[:-1]:
-            assert "error" not in json.loads(event.removeprefix("data: ")), event
+            # The one error a 200 stream may end with: a forced tool call that max_tokens (1 in
+            # this app) or a stop sequence cut short; it names the field, like a 400.
+            error = json.loads(event.removeprefix("data: ")).get("error")
+            assert error is None or error["code"] == "tool_call_incomplete", event
         return
     body = r.json()
     assert body["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")

@@ -119,14 +119,15 @@ def exact_pair_distribution(reference_model, prompt: str, temperature: float) ->
     return dist
 
 
-def sample_pairs(client, seeds: range) -> list[str]:
-    def one(seed: int) -> str:
+def sample_pairs(client, count: int) -> list[str]:
+    # Unseeded: a seeded sampled request gets no drafts (see the test after this one's).
+    def one(_) -> str:
         return client.completions.create(model=MODEL, prompt=SAMPLED_PROMPT, max_tokens=2,
-                                         temperature=1.0, seed=seed,
+                                         temperature=1.0,
                                          extra_body={"ignore_eos": True}).choices[0].text
 
     with ThreadPoolExecutor(8) as pool:
-        return list(pool.map(one, seeds))
+        return list(pool.map(one, range(count)))
 
 
 def fit_pvalue(samples: list[str], dist: Counter) -> float:
@@ -170,10 +171,10 @@ def test_sampled_tokens_follow_the_exact_distribution_with_and_without(server, c
     exact = exact_pair_distribution(reference_model, SAMPLED_PROMPT, 1.0)
     with drafter(server, "ngram"):
         before = spec_counters(server)
-        with_spec = sample_pairs(client, range(SAMPLES))
+        with_spec = sample_pairs(client, SAMPLES)
         drafted, accepted = (a - b for a, b in zip(spec_counters(server), before))
     with drafter(server, "none"):
-        without = sample_pairs(client, range(SAMPLES, 2 * SAMPLES))
+        without = sample_pairs(client, SAMPLES)
     print(f"\nsampled: {drafted} drafts, {accepted} accepted; {COPY!r}: "
           f"{with_spec.count(COPY)} with, {without.count(COPY)} without, "
           f"{exact[COPY] * SAMPLES:.1f} expected")
@@ -192,6 +193,22 @@ def test_sampled_tokens_follow_the_exact_distribution_with_and_without(server, c
     lossy[COPY] = sum(p for t, p in exact.items() if t.startswith(FIRST))
     p = fit_pvalue(with_spec, lossy)
     assert p < 1e-3, f"the test cannot tell a lossy verifier's distribution apart (p={p:.2g})"
+
+
+def test_seeded_sampled_requests_get_no_drafts_and_repeat(server, client):
+    """Verification draws random numbers per draft token, and whether a draft beat its deadline
+    varies from run to run; a seeded sampled request is therefore not drafted for, so its seed
+    repeats the answer. Unseeded and greedy requests on the same copy prompt are drafted for."""
+    kwargs = dict(model=MODEL, prompt=SAMPLED_PROMPT, max_tokens=24, temperature=1.0,
+                  extra_body={"ignore_eos": True})
+    with drafter(server, "ngram"):
+        before = spec_counters(server)
+        seeded = {client.completions.create(**kwargs, seed=11).choices[0].text for _ in range(3)}
+        assert spec_counters(server)[0] == before[0], "a seeded sampled request was drafted for"
+        assert len(seeded) == 1
+        client.completions.create(**kwargs)
+        client.completions.create(**{**kwargs, "temperature": 0}, seed=11)
+        assert spec_counters(server)[0] > before[0]
 
 
 def test_sessions_are_released_as_requests_finish(server, client):

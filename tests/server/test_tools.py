@@ -167,36 +167,43 @@ def test_json_object_and_structured_outputs_extension(client):
     response = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Give me a JSON object about cats."}],
         response_format={"type": "json_object"}, max_tokens=64, temperature=0)
-    choice = response.choices[0]
-    if choice.finish_reason == "stop":
-        assert isinstance(json.loads(choice.message.content), dict)
+    content = response.choices[0].message.content
+    # The grammar allows only a JSON object (SmolLM2 alone answers in prose); a whole answer parses.
+    assert content.lstrip().startswith("{"), content
+    if response.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(content), dict)
     response = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Is the sky blue?"}], max_tokens=8,
         temperature=0, extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
     assert response.choices[0].message.content in ("yes", "no")
 
 
-def test_n_choices_are_indexed_and_seeded(client):
-    kwargs = dict(model=MODEL, messages=ASK, n=3, temperature=1.0, seed=7, max_tokens=12)
-    first = client.chat.completions.create(**kwargs)
-    again = client.chat.completions.create(**kwargs)
-    assert [c.index for c in first.choices] == [0, 1, 2]
-    texts = [c.message.content for c in first.choices]
-    assert texts == [c.message.content for c in again.choices]
-    assert len(set(texts)) > 1, "independent samples"
+def test_n_choices_are_indexed_whole_and_streamed(client):
+    # top_k 1: every choice is the greedy answer (vLLM takes n > 1 only with temperature > 0).
+    greedy = dict(model=MODEL, messages=ASK, temperature=1.0, max_tokens=12,
+                  extra_body={"top_k": 1})
+    one = client.chat.completions.create(**greedy).choices[0].message.content
+    three = client.chat.completions.create(**greedy, n=3)
+    assert [(c.index, c.message.content) for c in three.choices] == [(0, one), (1, one), (2, one)]
+    assert three.usage.completion_tokens == 3 * len(
+        client.chat.completions.create(**greedy, logprobs=True).choices[0].logprobs.content)
+
     streamed: dict[int, str] = {}
     finished = set()
     usage = None
-    for chunk in client.chat.completions.create(**kwargs, stream=True,
+    for chunk in client.chat.completions.create(**greedy, n=3, stream=True,
                                                 stream_options={"include_usage": True}):
         usage = chunk.usage or usage
         for choice in chunk.choices:
             streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
             if choice.finish_reason:
                 finished.add(choice.index)
-    assert finished == {0, 1, 2}
-    assert [streamed[i] for i in range(3)] == texts
-    assert usage.completion_tokens == first.usage.completion_tokens
+    assert finished == {0, 1, 2} and streamed == {0: one, 1: one, 2: one}
+    assert usage.completion_tokens == three.usage.completion_tokens
+
+    sampled = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=12, n=3,
+                                             seed=7)
+    assert len({c.message.content for c in sampled.choices}) > 1, "independent samples"
 
 
 def test_greedy_tools_and_json_schema_are_identical_without_speculation(server, client):

@@ -6,6 +6,7 @@ streamed), all with the embedded checkpoint's real tokenizer."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 from pydantic import ValidationError
@@ -668,3 +669,112 @@ def test_reasoning_effort_sets_the_templates_thinking_switch(effort, thinking):
     # The request's own chat_template_kwargs win, as in vLLM's server.
     assert request(reasoning_effort=effort, chat_template_kwargs={"enable_thinking": True}) \
         .template_kwargs()["enable_thinking"] is True
+
+
+def test_forced_call_cut_by_a_stop_sequence_is_a_400_naming_stop(parsing, tokenizer, prompt_ids):
+    cut = "<tool_call>"
+    plan = parsing.plan(request(tools=TOOLS, tool_choice="required", stop=["\n"]))
+    err = rejected(lambda: finished(plan.choice_parser(prompt_ids), tokenizer, cut, "stop"))
+    assert err.param == "stop" and err.code == "tool_call_incomplete"
+    plan = parsing.plan(request(tools=TOOLS, tool_choice="required", stop_token_ids=[198]))
+    assert rejected(lambda: finished(plan.choice_parser(prompt_ids), tokenizer, cut,
+                                     "stop")).param == "stop_token_ids"
+    # Without a stop sequence of the request's, a missing call is the server's failure.
+    plan = parsing.plan(request(tools=TOOLS, tool_choice="required"))
+    with pytest.raises(APIError) as err:
+        finished(plan.choice_parser(prompt_ids), tokenizer, cut, "stop")
+    assert err.value.status == 500
+
+
+# ---- Kimi K3: rendered as vLLM's KimiK3Renderer renders it (no K3 tokenizer here: a recording
+# tokenizer stands in, the mapping is vLLM's own).
+
+def test_k3_checkpoints_get_vllms_k3_rendering(tmp_path, tokenizer):
+    from moonserve.pipeline.api.prompt import Rendering
+    from moonserve.pipeline.models.k3_synthetic import write_k3_config
+    from moonserve.pipeline.prepare.language_model import prepare_language_model
+    from moonserve.pipeline.router.chat_parsing import KimiK3Rendering, rendering_for
+
+    assert isinstance(rendering_for(str(write_k3_config(tmp_path / "k3"))), KimiK3Rendering)
+    embedded = rendering_for(str(prepare_language_model(progress=False)))
+    assert type(embedded) is Rendering and not embedded.eager
+
+
+@pytest.mark.parametrize("effort, expected", [
+    ("none", {"thinking": False}), ("high", {"thinking": True, "thinking_effort": "high"}),
+    ("max", {"thinking": True, "thinking_effort": "max"})])
+def test_k3_thinking_switches_are_k3s(effort, expected):
+    from moonserve.pipeline.router.chat_parsing import KimiK3Rendering
+
+    kwargs = KimiK3Rendering().template_kwargs(request(reasoning_effort=effort).template_kwargs())
+    assert kwargs == expected
+
+
+def test_k3_refuses_an_effort_it_has_not(tmp_path):
+    from moonserve.pipeline.router.chat_parsing import KimiK3Rendering
+
+    err = rejected(lambda: KimiK3Rendering().template_kwargs(
+        request(reasoning_effort="minimal").template_kwargs()))
+    assert err.param == "reasoning_effort"
+
+
+def test_k3_gets_tool_choice_only_when_not_auto_and_tool_results_in_call_order():
+    from moonserve.pipeline.router.chat_parsing import KimiK3Rendering
+
+    k3 = KimiK3Rendering()
+    assert "tool_choice" not in k3.template_kwargs(request(tools=TOOLS).template_kwargs())
+    assert k3.template_kwargs(request(tools=TOOLS, tool_choice="required").template_kwargs())[
+        "tool_choice"] == "required"
+    body = request(messages=[*USER, {"role": "assistant", "content": None, "tool_calls": [
+        assistant_call("c1", "get_weather", {"city": "Bern"}),
+        assistant_call("c2", "get_time", {"tz": "CET"})]},
+        {"role": "tool", "tool_call_id": "c2", "content": "10:00"},
+        {"role": "tool", "tool_call_id": "c1", "content": "rain"}], tools=TOOLS)
+    conversation = k3.conversation([m.template_dict("") for m in body.messages])
+    assert [(m["tool_call_id"], m["tool"], m["index"]) for m in conversation[2:]] == \
+        [("c1", "get_weather", 1), ("c2", "get_time", 2)]
+
+
+def test_k3_prompts_are_tokenized_by_the_template_itself():
+    from moonserve.pipeline.router.chat_parsing import KimiK3Rendering
+
+    class RecordingTokenizer:
+        def apply_chat_template(self, conversation, **kwargs):
+            self.kwargs = kwargs
+            return [7, 8, 9]
+
+    recorder = RecordingTokenizer()
+    builder = PromptBuilder(recorder, rendering=KimiK3Rendering())
+    body = request(reasoning_effort="none", tools=TOOLS)
+    assert builder.chat_prompt_ids(body.messages, template_kwargs=body.template_kwargs()) == \
+        [7, 8, 9]
+    assert recorder.kwargs["tokenize"] is True and recorder.kwargs["thinking"] is False
+    assert "enable_thinking" not in recorder.kwargs and "tool_choice" not in recorder.kwargs
+
+
+def test_the_reasoning_parser_reads_the_switch_the_template_got(tokenizer):
+    from moonserve.pipeline.router.chat_parsing import ChatParsing, KimiK3Rendering
+
+    parsing = ChatParsing(tokenizer, ChatConfig(tools=ToolsConfig(parser="hermes")),
+                          KimiK3Rendering())
+    seen = {}
+
+    class RecordingParser:
+        def __init__(self, tokenizer, tools, chat_template_kwargs):
+            seen.update(chat_template_kwargs)
+
+    parsing.parser_cls = RecordingParser
+    parsing.new_parser(SimpleNamespace(tools=None), request(reasoning_effort="none"))
+    assert seen == {"thinking": False}
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "required"])
+def test_a_finish_in_an_empty_delta_leaves_the_call_whole(parsing, tokenizer, prompt_ids,
+                                                          tool_choice):
+    """The engine's last delta may carry no text (end-of-sequence): the call streamed before it
+    must still come out whole."""
+    plan = parsing.plan(request(tools=TOOLS, tool_choice=tool_choice))
+    deltas = stream_deltas(tokenizer, ONE_CALL, 2) + [("", [])]
+    _, calls = reassemble(run_stream(plan.choice_parser(prompt_ids), deltas, "stop"))
+    whole = finished(plan.choice_parser(prompt_ids), tokenizer, ONE_CALL)
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == calls_of(whole)

@@ -551,3 +551,13 @@ async def test_calls_cancelled_after_their_request_left_log_nothing(caplog, gath
     with caplog.at_level("ERROR", logger="asyncio"):
         gc.collect()
     assert ("exception was never retrieved" in caplog.text) is logged
+
+
+def test_parameters_vllm_refuses_are_a_400_naming_them():
+    from vllm.exceptions import VLLMValidationError
+
+    from moonserve.pipeline.router.failures import lm_failure
+
+    error = lm_failure(VLLMValidationError("too many", parameter="n", value=3), "r1")
+    assert (error.status, error.param) == (400, "n") and "too many" in error.message
+    assert lm_failure(RuntimeError("engine bug"), "r1").status == 500
