@@ -37,6 +37,7 @@ from types import SimpleNamespace
 
 from moonserve.pipeline.api.errors import APIError, bad_request
 from moonserve.pipeline.api.prompt import Rendering
+from moonserve.pipeline.api.streaming import PlainChoice
 from moonserve.pipeline.api.protocol import ChatCompletionRequest, ChoiceOutput, NamedToolChoice
 from moonserve.pipeline.config import ChatConfig
 
@@ -244,10 +245,11 @@ class ChatPlan:
         return self.request.resolve_reasoning_ended(
             self.parsing.new_parser(self.request, self.body), prompt_ids)
 
-    def choice_parser(self, prompt_ids: list[int]) -> ChoiceParser:
-        """A parser for one choice of the request whose prompt is `prompt_ids`."""
+    def choice_parser(self, prompt_ids: list[int]) -> ChoiceParser | PlainChoice:
+        """A parser for one choice of the request whose prompt is `prompt_ids` (the text as it
+        is when the model has no vLLM parser: no tools can be forced then, `plan` refused them)."""
         parser = None if self.request is None else self.parsing.new_parser(self.request, self.body)
-        return ChoiceParser(self, parser, prompt_ids)
+        return PlainChoice() if parser is None else ChoiceParser(self, parser, prompt_ids)
 
     @property
     def forced_call(self) -> bool:
@@ -266,21 +268,18 @@ class ChoiceParser:
         self.parser = parser
         # Where reasoning stands at the first token (a template may open the thinking).
         self.prompt_ids = prompt_ids
-        if parser is not None:
-            parser.set_prompt_token_ids(prompt_ids)
+        parser.set_prompt_token_ids(prompt_ids)
         self.calls_streamed = False
-        self.streamed = ChoiceOutput(0)  # what the stream carried, for the final check
+        # What the stream carried, for the final check of a forced call (None: no check).
+        self.streamed = ChoiceOutput(0) if plan.forced_call else None
         self.named_call = isinstance(plan.body.effective_tool_choice(), NamedToolChoice)
 
     @property
     def uses_tools(self) -> bool:
-        return self.parser is not None and self.parser.tool_parser is not None and \
-            bool(self.plan.body.tools) and self.plan.body.effective_tool_choice() != "none"
+        return self.parser.tool_parser is not None and bool(self.plan.body.tools) and self.plan.body.effective_tool_choice() != "none"
 
     def finish(self, choice: ChoiceOutput) -> dict:
         """The message fields of a whole answer."""
-        if self.parser is None:
-            return {"content": choice.text}
         reasoning, content, calls = self.parser.parse(
             choice.text, self.plan.request, enable_auto_tools=self.uses_tools,
             model_output_token_ids=choice.token_ids)
@@ -302,8 +301,6 @@ class ChoiceParser:
 
     def delta(self, text: str, token_ids: list[int], finish_reason: str | None) -> dict | None:
         """The chunk's `delta` (without role), or None when there is nothing to send yet."""
-        if self.parser is None:
-            return {"content": text} if text else None
         message = self.parser.parse_delta(text, list(token_ids), self.plan.request,
                                           self.prompt_ids, finished=finish_reason is not None)
         out = {}
@@ -318,9 +315,11 @@ class ChoiceParser:
             if calls:
                 self.calls_streamed = True
                 out["tool_calls"] = calls
+        if self.streamed is None:
+            return out or None
         self.streamed.text_parts.append(text)
         self.streamed.token_ids.extend(token_ids)
-        if finish_reason is not None and self.plan.forced_call:
+        if finish_reason is not None:
             # A call whose name went out may still be cut short: parse the whole answer again.
             self.streamed.finish_reason = finish_reason
             ChoiceParser(self.plan, self.plan.parsing.new_parser(self.plan.request, self.plan.body),
