@@ -1,9 +1,11 @@
 """Pipeline overhead vs vLLM's own OpenAI server: TTFT, inter-token latency, tokens/s.
 
-Both arms serve the same checkpoint with the same engine settings (taken from the config) and get
-the same prompts, greedy, with a fixed number of output tokens. Only one engine is alive at a time
-(an idle vLLM CPU engine still takes CPU): each round starts vLLM, measures, stops it, then starts
-the pipeline, measures, stops it.
+Both arms serve the same checkpoint with the same engine arguments (taken from the config; the
+pipeline runs with `draft.mode: off` unless `--draft config`, so both engines do the same work) and
+get the same prompts, greedy, with a fixed number of output tokens. Only one engine is alive at a
+time (an idle vLLM CPU engine still takes CPU): each round starts vLLM, measures, stops it, then
+starts the pipeline, measures, stops it. With `--vllm-bench-concurrency`, vLLM's own benchmark
+client (`vllm bench serve`, random prompts) also runs against each arm.
 
     moonserve bench overhead --out bench-overhead.json
 """
@@ -13,15 +15,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import psutil
-
-from moonserve.pipeline.bench.client import run_load, summarize
-from moonserve.pipeline.config import DEFAULT_CONFIG, EngineConfig, LanguageModelConfig, load_app_config
+import yaml
 from moonserve.pipeline.app.launch import ServerProcess
+from moonserve.pipeline.bench.client import run_load, summarize
+from moonserve.pipeline.config import (
+    DEFAULT_CONFIG,
+    EngineConfig,
+    LanguageModelConfig,
+    load_app_config,
+)
 
 PROMPTS = [
     "What is the capital of France?",
@@ -42,28 +50,47 @@ PROMPTS = [
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="Ray Serve config file")
     parser.add_argument("--out", default="bench-overhead.json", help="JSON results file")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--requests", type=int, default=24, help="requests per concurrency level")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=1, help="vLLM/pipeline alternations")
     parser.add_argument("--port", type=int, default=8100)
     parser.add_argument("--arms", nargs="+", choices=["vllm", "pipeline"], default=["vllm", "pipeline"],
                         help="arms to run (the comparison needs both)")
+    parser.add_argument("--draft", choices=["off", "config"], default="off",
+                        help="the pipeline's speculative decoding: off (as vLLM's arm) or as the "
+                             "config has it")
+    parser.add_argument("--vllm-bench-concurrency", type=int, nargs="*", default=[],
+                        help="also run `vllm bench serve` (random 128-token prompts, 64 output "
+                             "tokens) at these concurrencies against each arm")
+    parser.add_argument("--vllm-bench-prompts", type=int, default=32)
 
 
 def vllm_command(engine: EngineConfig, model_path: str, port: int) -> list[str]:
+    """vLLM's OpenAI server with the engine arguments the LanguageModel gives `AsyncLLM`
+    (`deployments.language_model.engine_args`; a test parses both and compares them)."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
            "--served-model-name", engine.model_name(), "--dtype", engine.dtype,
            "--max-num-seqs", str(engine.max_num_seqs), "--seed", str(engine.seed),
+           "--scheduling-policy", engine.scheduling_policy,
            "--host", "127.0.0.1", "--port", str(port)]
     if engine.max_model_len:
         cmd += ["--max-model-len", str(engine.max_model_len)]
+    if engine.max_num_batched_tokens:
+        cmd += ["--max-num-batched-tokens", str(engine.max_num_batched_tokens)]
+    if engine.long_prefill_token_threshold:
+        cmd += ["--long-prefill-token-threshold", str(engine.long_prefill_token_threshold)]
+    if scheduler := engine.scheduler_cls():
+        cmd += ["--scheduler-cls", scheduler, "--no-async-scheduling",
+                "--additional-config", json.dumps(engine.scheduler_options())]
     if engine.enforce_eager:
         cmd.append("--enforce-eager")
     if engine.kv_cache_memory_bytes:
         cmd += ["--kv-cache-memory-bytes", str(engine.kv_cache_memory_bytes)]
     if not engine.enable_prefix_caching:
         cmd.append("--no-enable-prefix-caching")
+    if engine.enable_prompt_embeds:
+        cmd.append("--enable-prompt-embeds")
     return cmd
 
 
@@ -72,7 +99,7 @@ def request_bodies(model: str, n: int, max_tokens: int) -> list[dict]:
              "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True} for i in range(n)]
 
 
-def measure(server: ServerProcess, args, model: str) -> dict:
+def measure(server: ServerProcess, args, model: str, model_path: str, tmp: Path) -> dict:
     url = f"{server.base_url}/v1/chat/completions"
     asyncio.run(run_load(url, request_bodies(model, 2, args.max_tokens), 1))  # warm-up
     levels = {}
@@ -80,9 +107,37 @@ def measure(server: ServerProcess, args, model: str) -> dict:
         before = cpu_seconds_by_process(server)
         results, wall = asyncio.run(run_load(url, request_bodies(model, args.requests, args.max_tokens), c))
         levels[f"c{c}"] = summarize(results, wall)
-        levels[f"c{c}"]["cpu_ms_per_output_token"] = cpu_per_token(
-            before, cpu_seconds_by_process(server), levels[f"c{c}"]["output_tokens"])
+        cpu = cpu_per_token(before, cpu_seconds_by_process(server), levels[f"c{c}"]["output_tokens"])
+        levels[f"c{c}"]["cpu_ms_per_output_token"] = cpu
+        levels[f"c{c}"]["serving_cpu_ms_per_output_token"] = serving_cpu(cpu)
+    for c in args.vllm_bench_concurrency:
+        levels[f"vllm_bench_c{c}"] = vllm_bench_serve(server.base_url, model, model_path, c,
+                                                      args.vllm_bench_prompts, tmp)
     return levels
+
+
+VLLM_BENCH_SERVE = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+                    "from vllm.utils.argparse_utils import FlexibleArgumentParser as P; "
+                    "p = P(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))")
+
+
+def vllm_bench_serve(base_url: str, model: str, model_path: str, concurrency: int,
+                     num_prompts: int, tmp: Path) -> dict:
+    """vLLM's own benchmark client (`vllm bench serve`) against a server, in a child process (the
+    `vllm` console script needs the `vllm` distribution's metadata, which the CPU wheel lacks)."""
+    out = tmp / f"vllm-bench-c{concurrency}.json"
+    cmd = [sys.executable, "-c", VLLM_BENCH_SERVE,
+           "--backend", "openai-chat", "--base-url", base_url, "--endpoint", "/v1/chat/completions",
+           "--model", model, "--tokenizer", model_path, "--dataset-name", "random",
+           "--random-input-len", "128", "--random-output-len", "64", "--ignore-eos",
+           "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
+           "--temperature", "0", "--seed", "0",
+           "--save-result", "--result-dir", str(tmp), "--result-filename", out.name]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=1800)
+    result = json.loads(out.read_text())
+    keys = ("completed", "output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
+            "median_tpot_ms", "median_itl_ms")
+    return {k: result[k] for k in keys if k in result}
 
 
 def cpu_seconds_by_process(server: ServerProcess) -> dict[int, tuple[str, float]]:
@@ -111,6 +166,27 @@ def cpu_per_token(before: dict, after: dict, tokens: int) -> dict[str, float]:
     return dict(sorted(per_token.items(), key=lambda kv: -kv[1]))
 
 
+def pipeline_config(config_path: str, draft: str, out: Path) -> Path:
+    """The config file as it is (`draft: config`) or with the app's `draft.mode: off`."""
+    if draft == "config":
+        return Path(config_path)
+    data = yaml.safe_load(Path(config_path).read_text())
+    args = data["applications"][0].setdefault("args", {})
+    args["draft"] = {**(args.get("draft") or {}), "mode": "off"}
+    out.write_text(yaml.safe_dump(data, sort_keys=False))
+    return out
+
+
+# vLLM's engine-core and worker processes retitle themselves (setproctitle) with these names.
+ENGINE_TITLES = ("EngineCore", "VLLM::Worker")
+
+
+def serving_cpu(cpu_ms: dict[str, float]) -> float:
+    """CPU ms per token of everything but the engine core and its workers: the serving path
+    (vLLM's API server; or the Router, proxy, LanguageModel replica, Ray's daemons)."""
+    return sum(ms for title, ms in cpu_ms.items() if not any(e in title for e in ENGINE_TITLES))
+
+
 def servers(config: LanguageModelConfig, model_path: str, args, logs: Path):
     engine = config.engine
     if "vllm" in args.arms:
@@ -118,16 +194,23 @@ def servers(config: LanguageModelConfig, model_path: str, args, logs: Path):
                                 f"http://127.0.0.1:{args.port}/health", logs / "vllm.log",
                                     env=dict(config.env))
     if "pipeline" in args.arms:
+        config_file = pipeline_config(args.config, args.draft, logs / "pipeline.yaml")
         yield "pipeline", ServerProcess(
-            [sys.executable, "-m", "moonserve.pipeline.app.cli", "serve", "--config", args.config,
-             "--port", str(args.port + 1), "--dashboard-port", str(args.port + 2)],
+            [sys.executable, "-m", "moonserve.pipeline.app.cli", "serve", "--config",
+             str(config_file), "--port", str(args.port + 1),
+             "--dashboard-port", str(args.port + 2)],
             f"http://127.0.0.1:{args.port + 1}/health", logs / "pipeline.log")
 
 
 def ratios(vllm: dict, pipeline: dict) -> dict:
     out = {}
-    for level in vllm:
-        v, p = vllm[level], pipeline[level]
+    for level, v in vllm.items():
+        p = pipeline[level]
+        if level.startswith("vllm_bench_"):
+            out[level] = {"output_throughput_ratio": p["output_throughput"] / v["output_throughput"],
+                          "median_ttft_overhead_ms": p["median_ttft_ms"] - v["median_ttft_ms"],
+                          "median_tpot_overhead_ms": p["median_tpot_ms"] - v["median_tpot_ms"]}
+            continue
         out[level] = {
             "ttft_p50_overhead_ms": p["ttft_ms_p50"] - v["ttft_ms_p50"],
             "ttft_p99_overhead_ms": p["ttft_ms_p99"] - v["ttft_ms_p99"],
@@ -153,14 +236,25 @@ def print_table(arms: dict, per_round: dict, rel: dict) -> None:
     print(f"{'arm':<10}{'level':<6}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'tok/s':>9}")
     for arm, levels in arms.items():
         for level, s in levels.items():
+            if level.startswith("vllm_bench_"):
+                print(f"{arm:<10}{level}: {s['output_throughput']:.1f} tok/s, TTFT p50 "
+                      f"{s['median_ttft_ms']:.1f} ms, TPOT p50 {s['median_tpot_ms']:.1f} ms")
+                continue
             print(f"{arm:<10}{level:<6}{s['ttft_ms_p50']:>9.1f}ms{s['ttft_ms_p99']:>8.1f}ms"
                   f"{s['itl_ms_p50']:>7.1f}ms{s['output_tokens_per_s']:>9.1f}")
     for arm, rounds in per_round.items():
         for level, s in rounds[0].items():
+            if "cpu_ms_per_output_token" not in s:
+                continue
             cpu = s["cpu_ms_per_output_token"]
             top = ", ".join(f"{t} {ms:.1f}" for t, ms in list(cpu.items())[:5])
             print(f"CPU ms/token {arm} {level} (round 1): total {sum(cpu.values()):.1f} ({top})")
     for level, r in rel.items():
+        if "tokens_per_s_ratio" not in r:
+            print(f"{level}: output tok/s ratio {r['output_throughput_ratio']:.3f}, TTFT p50 "
+                  f"{r['median_ttft_overhead_ms']:+.1f} ms, TPOT p50 "
+                  f"{r['median_tpot_overhead_ms']:+.1f} ms")
+            continue
         print(f"{level}: TTFT p50 overhead {r['ttft_p50_overhead_ms']:+.1f} ms, "
               f"tokens/s ratio {r['tokens_per_s_ratio']:.3f}")
 
@@ -175,10 +269,12 @@ def main(args: argparse.Namespace) -> int:
         for _ in range(args.rounds):
             for arm, server in servers(config, model_path, args, Path(tmp)):
                 with server:
-                    per_arm[arm].append(measure(server, args, config.engine.model_name()))
+                    per_arm[arm].append(measure(server, args, config.engine.model_name(),
+                                                model_path, Path(tmp)))
     arms = {arm: merge_rounds(rounds) for arm, rounds in per_arm.items()}
     rel = ratios(arms["vllm"], arms["pipeline"]) if len(arms) == 2 else {}
-    result = {"benchmark": "overhead", "config": args.config, "max_tokens": args.max_tokens,
+    result = {"benchmark": "overhead", "config": args.config, "draft": args.draft,
+              "max_tokens": args.max_tokens,
               "requests_per_level": args.requests, "rounds": args.rounds, "arms": arms,
               "per_round": per_arm, "comparison": rel}
     Path(args.out).write_text(json.dumps(result, indent=2))
