@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moonserve.pipeline.api.output_wire import ChannelAddress
 from moonserve.pipeline.config import DraftConfig, EngineConfig, LanguageModelConfig
 from moonserve.pipeline.api.protocol import (
     GenerateRequest,
@@ -29,6 +30,7 @@ from moonserve.pipeline.api.protocol import (
     SamplingSpec,
     TokenLogprob,
 )
+from moonserve.pipeline.engine.outputs import OutputSenders, send_outputs
 from moonserve.pipeline.models.weights import TOKEN_EMBEDDING_NAMES, find_tensor, read_tensors, tensor_files
 
 logger = logging.getLogger("moonserve.language_model")
@@ -210,6 +212,7 @@ class LanguageModel:
 
         self.config = config
         self.load = EngineLoad()
+        self.senders = OutputSenders()  # connections to the Routers' output channels
         self.resolver = start_draft_resolver(draft, draft_service) if draft is not None else None
         self.engine = AsyncLLM.from_engine_args(
             engine_args(config.engine, model_path, draft, config.chat.reasoning.parser),
@@ -261,22 +264,34 @@ class LanguageModel:
                 priority=request.priority, reasoning_ended=request.reasoning_ended,
             ):
                 finished = output.finished
-                # With n > 1, one output per choice that has news (each carries its index).
-                for completion in output.outputs:
-                    yield GenerationDelta(
-                        text=completion.text,
-                        num_tokens=len(completion.token_ids),
-                        num_prompt_tokens=num_prompt_tokens,
-                        finish_reason=completion.finish_reason,
-                        logprobs=token_logprobs(completion.token_ids, completion.logprobs,
-                                                request.sampling.logprobs),
-                        index=completion.index,
-                        token_ids=list(completion.token_ids),
-                    )
+                # With n > 1, one delta per choice that has news (each carries its index).
+                deltas = [GenerationDelta(
+                    text=completion.text,
+                    num_tokens=len(completion.token_ids),
+                    num_prompt_tokens=num_prompt_tokens,
+                    finish_reason=completion.finish_reason,
+                    logprobs=token_logprobs(completion.token_ids, completion.logprobs,
+                                            request.sampling.logprobs),
+                    index=completion.index,
+                    token_ids=list(completion.token_ids),
+                ) for completion in output.outputs]
+                if finished:
+                    deltas = deltas or [GenerationDelta("", 0, num_prompt_tokens)]
+                    deltas[-1].finished = True
+                for delta in deltas:
+                    yield delta
         finally:
             if not finished:
                 # The caller went away (client disconnect, cancel) or the engine failed.
                 await asyncio.shield(self.engine.abort(request.request_id))
+
+    async def generate_to(self, request: GenerateRequest, address: ChannelAddress,
+                          *image_embeds) -> int:
+        """`generate`, with the deltas sent over the output channel of the Router at `address`
+        (batched per engine step across that Router's requests) instead of returned; returns the
+        number of output tokens. Cancelling this call aborts the request, as for `generate`."""
+        return await send_outputs(self.senders, address, request.request_id,
+                                  self.generate(request, *image_embeds))
 
     async def model_info(self) -> ModelInfo:
         return self.info
@@ -296,6 +311,9 @@ class LanguageModel:
         await self.engine.check_health()
 
     def __del__(self):
+        senders = getattr(self, "senders", None)
+        if senders is not None:
+            senders.close()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

@@ -52,6 +52,7 @@ from moonserve.pipeline.metrics import RequestTrace, RouterMetrics
 from moonserve.pipeline.router.chat_parsing import ChatParsing, ChatPlan, rendering_for
 from moonserve.pipeline.router.failures import gather_calls, lm_failure
 from moonserve.pipeline.router.fan_in import EncodingImages, ImageFanIn
+from moonserve.pipeline.router.outputs import ChannelLost, OutputReceiver, RequestOutputs
 
 logger = logging.getLogger("moonserve.router")
 
@@ -59,6 +60,8 @@ logger = logging.getLogger("moonserve.router")
 # stall the streams of everyone else on this replica.
 INLINE_TOKENIZE_CHARS = 16_384
 HEALTH_TIMEOUT_S = 5.0
+# How long a request's deltas may trail its finished LanguageModel call on the output channel.
+CHANNEL_GRACE_S = 10.0
 
 
 class Router:
@@ -86,6 +89,8 @@ class Router:
         self.metrics = RouterMetrics()
         self.lanes = Lanes(config.lanes, observer=self.metrics)
         self.hint_header = config.lanes.hint_header
+        self.receiver = None if config.outputs.transport == "stream" else \
+            OutputReceiver(config.outputs.host or node_ip_address())
         self._info: ModelInfo | None = None
 
     def __serve_build_asgi_app__(self) -> FastAPI:
@@ -311,21 +316,64 @@ class Router:
         """Stream from the LM; cancelling this (client disconnect) cancels the LM request.
         `image_embeds` are ObjectRefs, passed at the top level so Ray hands the LM the arrays
         straight from the object store."""
+        source = self.stream_deltas if self.receiver is None else self.channel_deltas
+        try:
+            async for delta in source(request, image_embeds):
+                trace.delta(delta.num_tokens)
+                yield delta
+        except Exception as exc:
+            trace.failed = True
+            raise lm_failure(exc, request.request_id) from exc
+
+    async def channel_deltas(self, request: GenerateRequest, image_embeds: list):
+        """`router.outputs.transport: channel`: the request's deltas arrive on this replica's
+        output channel, merged per step; its Serve call carries cancellation and errors."""
+        address = await self.receiver.start()
+        outputs = self.receiver.open(request.request_id)
+        call = self.lm.generate_to.remote(request, address, *image_embeds)
+        watch_call(call, outputs)
+        finished = False
+        try:
+            while (deltas := await outputs.next()) is not None:
+                for delta in deltas:
+                    yield delta
+            finished = True
+        finally:
+            self.receiver.close(request.request_id)
+            if not finished:
+                # Reaches the replica as CancelledError; LanguageModel.generate aborts the request.
+                call.cancel()
+
+    async def stream_deltas(self, request: GenerateRequest, image_embeds: list):
+        """`router.outputs.transport: stream`: a Serve streaming call, one item per delta."""
         stream = self.lm.options(stream=True).generate.remote(request, *image_embeds)
         exhausted = False
         try:
             async for delta in stream:
-                trace.delta(delta.num_tokens)
                 yield delta
             exhausted = True
-        except Exception as exc:
-            trace.failed = True
-            raise lm_failure(exc, request.request_id) from exc
         finally:
             if not exhausted:
                 # Stopping iteration does not cancel a Serve stream; this reaches the replica as
                 # CancelledError, and LanguageModel.generate aborts the engine request.
                 stream.cancel()
+
+
+def watch_call(call, outputs: RequestOutputs) -> None:
+    """End `outputs` with the call's failure; a call that succeeds but whose last delta never
+    arrives (its connection dropped before any delta) ends them after `CHANNEL_GRACE_S`."""
+
+    async def watch():
+        try:
+            await call
+        except Exception as exc:
+            outputs.fail(exc)
+            return
+        lost = ChannelLost(f"request {outputs.request_id}: the LanguageModel finished but its "
+                           "outputs did not arrive")
+        asyncio.get_running_loop().call_later(CHANNEL_GRACE_S, outputs.fail, lost)
+
+    asyncio.ensure_future(watch())
 
 
 @dataclass
@@ -347,6 +395,13 @@ class Job:
             return ResponseFormat(self.request_id, self.info.name, chat=self.chat)
         return ResponseFormat(self.request_id, self.info.name, chat=self.chat,
                               parser=lambda index: self.plan.choice_parser(self.prompt_ids))
+
+
+def node_ip_address() -> str:
+    """This node's address as Ray knows it: where LanguageModel replicas on any node reach us."""
+    from ray.util import get_node_ip_address
+
+    return get_node_ip_address()
 
 
 class SlotStreamingResponse(StreamingResponse):

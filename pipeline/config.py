@@ -469,11 +469,27 @@ class DraftConfig(StrictModel):
                 "rejection_sample_method": self.rejection_sample_method, **backend}
 
 
+class OutputsConfig(StrictModel):
+    """How generated tokens travel from the LanguageModel to the Router.
+
+    `channel`: one TCP connection per (LanguageModel replica, Router replica) pair carries each
+    engine step's deltas for all of that Router's requests in one frame; each request's own Serve
+    call carries its cancellation and errors (`moonserve.pipeline.api.output_wire`). `stream`: a
+    Serve streaming call per request, one Ray item per delta (`moonserve bench overhead` compares
+    them).
+    """
+
+    transport: Literal["channel", "stream"] = "channel"
+    # The address the Router listens on for its channel (None: this node's IP, as Ray knows it).
+    host: str | None = None
+
+
 class RouterConfig(StrictModel):
     deployment: DeploymentOptions = DeploymentOptions(max_ongoing_requests=256)
     auth: AuthConfig = AuthConfig()
     limits: LimitsConfig = LimitsConfig()
     lanes: LanesConfig = LanesConfig()
+    outputs: OutputsConfig = OutputsConfig()
 
     @model_validator(mode="after")
     def _replica_holds_its_lanes(self) -> RouterConfig:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 import jsonschema
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
 
 from moonserve.pipeline.api.errors import bad_request
@@ -522,8 +523,7 @@ class ImageInfo:
     pixel_values: Any
 
 
-@dataclass(frozen=True)
-class TokenLogprob:
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     """One generated token with its log-probability and the `top` alternatives (most likely
     first), as (token text, logprob) pairs."""
 
@@ -532,13 +532,14 @@ class TokenLogprob:
     top: tuple[tuple[str, float], ...] = ()
 
 
-@dataclass
-class GenerationDelta:
+class GenerationDelta(msgspec.Struct, array_like=True):
     """LanguageModel -> Router: the text and tokens produced since the previous delta.
 
-    When the router reads slower than the engine produces, vLLM merges pending outputs, so one
-    delta may carry several tokens; `num_tokens` says how many. `logprobs` has one entry per
-    token when the request asked for them. `index` is the choice (n > 1).
+    When the router reads slower than the engine produces, deltas are merged (`merge_deltas`), so
+    one delta may carry several tokens; `num_tokens` says how many. `logprobs` has one entry per
+    token when the request asked for them. `index` is the choice (n > 1); `finished` marks the
+    request's last delta (every choice done). A msgspec struct: the output channel sends a step's
+    deltas as one msgpack frame (`moonserve.pipeline.api.output_wire`).
     """
 
     text: str
@@ -547,7 +548,35 @@ class GenerationDelta:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
     index: int = 0
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    finished: bool = False
+
+
+def merge_deltas(deltas: list[GenerationDelta]) -> list[GenerationDelta]:
+    """One delta per choice, in order of first appearance: what a reader that fell behind sends
+    as one event. Merged deltas keep every token, logprob and the last finish reason.
+
+    Example:
+        >>> merged = merge_deltas([GenerationDelta("a", 1, 5), GenerationDelta("b", 1, 5, "stop")])
+        >>> merged[0].text, merged[0].num_tokens, merged[0].finish_reason
+        ('ab', 2, 'stop')
+    """
+    if len(deltas) == 1:
+        return deltas
+    by_choice: dict[int, GenerationDelta] = {}
+    for delta in deltas:
+        into = by_choice.get(delta.index)
+        if into is None:
+            by_choice[delta.index] = msgspec.structs.replace(delta, token_ids=list(delta.token_ids))
+            continue
+        into.text += delta.text
+        into.num_tokens += delta.num_tokens
+        into.token_ids.extend(delta.token_ids)
+        into.finish_reason = delta.finish_reason or into.finish_reason
+        into.finished = into.finished or delta.finished
+        if delta.logprobs is not None:
+            into.logprobs = [*(into.logprobs or []), *delta.logprobs]
+    return list(by_choice.values())
 
 
 @dataclass(frozen=True)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from moonserve.pipeline.api.protocol import (
     ChoiceOutput,
@@ -20,7 +21,8 @@ DONE = b"data: [DONE]\n\n"
 
 
 def sse(payload: dict) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+    # msgspec: ~10x faster than json.dumps per chunk (UTF-8 as is, not \u-escaped).
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
 
 
 def chat_logprobs(entries: list[TokenLogprob] | None) -> dict | None:

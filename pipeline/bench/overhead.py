@@ -18,6 +18,7 @@ import json
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -55,8 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=1, help="vLLM/pipeline alternations")
     parser.add_argument("--port", type=int, default=8100)
-    parser.add_argument("--arms", nargs="+", choices=["vllm", "pipeline"], default=["vllm", "pipeline"],
-                        help="arms to run (the comparison needs both)")
+    parser.add_argument("--arms", nargs="+", choices=["vllm", *PIPELINE_ARMS],
+                        default=DEFAULT_ARMS,
+                        help="arms to run: vLLM's server; the pipeline with the output channel, "
+                             "with a Serve stream per request (router.outputs), with Ray Serve's "
+                             "throughput-optimized settings, with Serve's direct ingress")
     parser.add_argument("--draft", choices=["off", "config"], default="off",
                         help="the pipeline's speculative decoding: off (as vLLM's arm) or as the "
                              "config has it")
@@ -73,6 +77,7 @@ def vllm_command(engine: EngineConfig, model_path: str, port: int) -> list[str]:
            "--served-model-name", engine.model_name(), "--dtype", engine.dtype,
            "--max-num-seqs", str(engine.max_num_seqs), "--seed", str(engine.seed),
            "--scheduling-policy", engine.scheduling_policy,
+           "--gpu-memory-utilization", str(engine.gpu_memory_utilization),
            "--host", "127.0.0.1", "--port", str(port)]
     if engine.max_model_len:
         cmd += ["--max-model-len", str(engine.max_model_len)]
@@ -166,13 +171,15 @@ def cpu_per_token(before: dict, after: dict, tokens: int) -> dict[str, float]:
     return dict(sorted(per_token.items(), key=lambda kv: -kv[1]))
 
 
-def pipeline_config(config_path: str, draft: str, out: Path) -> Path:
-    """The config file as it is (`draft: config`) or with the app's `draft.mode: off`."""
-    if draft == "config":
-        return Path(config_path)
+def pipeline_config(config_path: str, draft: str, transport: str, out: Path) -> Path:
+    """The config file with the app's `router.outputs.transport` set, and `draft.mode: off`
+    unless `draft` is `config`."""
     data = yaml.safe_load(Path(config_path).read_text())
     args = data["applications"][0].setdefault("args", {})
-    args["draft"] = {**(args.get("draft") or {}), "mode": "off"}
+    router = args.setdefault("router", {})
+    router["outputs"] = {**(router.get("outputs") or {}), "transport": transport}
+    if draft == "off":
+        args["draft"] = {**(args.get("draft") or {}), "mode": "off"}
     out.write_text(yaml.safe_dump(data, sort_keys=False))
     return out
 
@@ -187,19 +194,55 @@ def serving_cpu(cpu_ms: dict[str, float]) -> float:
     return sum(ms for title, ms in cpu_ms.items() if not any(e in title for e in ENGINE_TITLES))
 
 
+@dataclass(frozen=True)
+class PipelineArm:
+    """A pipeline arm: its output transport (`router.outputs.transport`), the Ray Serve
+    environment it starts with, and whether clients reach the Router's own port (Serve's direct
+    ingress) instead of the Serve proxy."""
+
+    transport: str
+    env: tuple[tuple[str, str], ...] = ()
+    direct_ingress: bool = False
+
+
+PIPELINE_ARMS = {
+    "pipeline": PipelineArm("channel"),
+    "pipeline_stream": PipelineArm("stream"),
+    # Ray Serve's bundle: user code on the replica's own loop, gRPC between deployments, no
+    # per-request log lines on stderr, GC frozen after start.
+    "pipeline_serve_optimized": PipelineArm("channel", (("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1"),)),
+    # No proxy hop: the Router replica serves HTTP itself.
+    "pipeline_direct_ingress": PipelineArm("channel", (("RAY_SERVE_ENABLE_DIRECT_INGRESS", "1"),),
+                                           direct_ingress=True),
+}
+DEFAULT_ARMS = ["vllm", "pipeline", "pipeline_stream"]
+
+
+def pipeline_server(arm: str, args, logs: Path) -> ServerProcess:
+    spec = PIPELINE_ARMS[arm]
+    config_file = pipeline_config(args.config, args.draft, spec.transport, logs / f"{arm}.yaml")
+    env = dict(spec.env)
+    port = args.port + 1
+    if spec.direct_ingress:
+        # The Router replica takes the first port of Serve's direct-ingress range.
+        port = args.port + 3
+        env |= {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
+                "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 8)}
+    return ServerProcess(
+        [sys.executable, "-m", "moonserve.pipeline.app.cli", "serve", "--config", str(config_file),
+         "--port", str(args.port + 1), "--dashboard-port", str(args.port + 2)],
+        f"http://127.0.0.1:{port}/health", logs / f"{arm}.log", env=env)
+
+
 def servers(config: LanguageModelConfig, model_path: str, args, logs: Path):
     engine = config.engine
     if "vllm" in args.arms:
         yield "vllm", ServerProcess(vllm_command(engine, model_path, args.port),
-                                f"http://127.0.0.1:{args.port}/health", logs / "vllm.log",
+                                    f"http://127.0.0.1:{args.port}/health", logs / "vllm.log",
                                     env=dict(config.env))
-    if "pipeline" in args.arms:
-        config_file = pipeline_config(args.config, args.draft, logs / "pipeline.yaml")
-        yield "pipeline", ServerProcess(
-            [sys.executable, "-m", "moonserve.pipeline.app.cli", "serve", "--config",
-             str(config_file), "--port", str(args.port + 1),
-             "--dashboard-port", str(args.port + 2)],
-            f"http://127.0.0.1:{args.port + 1}/health", logs / "pipeline.log")
+    for arm in PIPELINE_ARMS:
+        if arm in args.arms:
+            yield arm, pipeline_server(arm, args, logs)
 
 
 def ratios(vllm: dict, pipeline: dict) -> dict:
@@ -216,6 +259,8 @@ def ratios(vllm: dict, pipeline: dict) -> dict:
             "ttft_p99_overhead_ms": p["ttft_ms_p99"] - v["ttft_ms_p99"],
             "itl_p50_overhead_ms": p["itl_ms_p50"] - v["itl_ms_p50"],
             "tokens_per_s_ratio": p["output_tokens_per_s"] / v["output_tokens_per_s"],
+            "serving_cpu_ratio": p["serving_cpu_ms_per_output_token"]
+            / v["serving_cpu_ms_per_output_token"],
         }
     return out
 
@@ -233,30 +278,26 @@ def merge_rounds(rounds: list[dict]) -> dict:
 
 
 def print_table(arms: dict, per_round: dict, rel: dict) -> None:
-    print(f"{'arm':<10}{'level':<6}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'tok/s':>9}")
+    print(f"{'arm':<16}{'level':<6}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'tok/s':>9}"
+          f"{'serving CPU ms/tok':>20}")
     for arm, levels in arms.items():
         for level, s in levels.items():
             if level.startswith("vllm_bench_"):
-                print(f"{arm:<10}{level}: {s['output_throughput']:.1f} tok/s, TTFT p50 "
+                print(f"{arm:<16}{level}: {s['output_throughput']:.1f} tok/s, TTFT p50 "
                       f"{s['median_ttft_ms']:.1f} ms, TPOT p50 {s['median_tpot_ms']:.1f} ms")
                 continue
-            print(f"{arm:<10}{level:<6}{s['ttft_ms_p50']:>9.1f}ms{s['ttft_ms_p99']:>8.1f}ms"
-                  f"{s['itl_ms_p50']:>7.1f}ms{s['output_tokens_per_s']:>9.1f}")
+            print(f"{arm:<16}{level:<6}{s['ttft_ms_p50']:>9.1f}ms{s['ttft_ms_p99']:>8.1f}ms"
+                  f"{s['itl_ms_p50']:>7.1f}ms{s['output_tokens_per_s']:>9.1f}"
+                  f"{s['serving_cpu_ms_per_output_token']:>20.2f}")
     for arm, rounds in per_round.items():
         for level, s in rounds[0].items():
-            if "cpu_ms_per_output_token" not in s:
-                continue
-            cpu = s["cpu_ms_per_output_token"]
-            top = ", ".join(f"{t} {ms:.1f}" for t, ms in list(cpu.items())[:5])
-            print(f"CPU ms/token {arm} {level} (round 1): total {sum(cpu.values()):.1f} ({top})")
-    for level, r in rel.items():
-        if "tokens_per_s_ratio" not in r:
-            print(f"{level}: output tok/s ratio {r['output_throughput_ratio']:.3f}, TTFT p50 "
-                  f"{r['median_ttft_overhead_ms']:+.1f} ms, TPOT p50 "
-                  f"{r['median_tpot_overhead_ms']:+.1f} ms")
-            continue
-        print(f"{level}: TTFT p50 overhead {r['ttft_p50_overhead_ms']:+.1f} ms, "
-              f"tokens/s ratio {r['tokens_per_s_ratio']:.3f}")
+            if "cpu_ms_per_output_token" in s:
+                top = ", ".join(f"{t} {ms:.2f}" for t, ms in
+                                list(s["cpu_ms_per_output_token"].items())[:6])
+                print(f"CPU ms/token {arm} {level} (round 1): {top}")
+    for arm, levels in rel.items():
+        for level, r in levels.items():
+            print(f"{arm} / vllm {level}: " + ", ".join(f"{k} {v:+.3f}" for k, v in r.items()))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -265,18 +306,24 @@ def main(args: argparse.Namespace) -> int:
     config = load_app_config(args.config).language_model
     model_path = resolve_model_path(config)
     per_arm: dict[str, list[dict]] = {arm: [] for arm in args.arms}
+    failed: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="moonserve-bench-") as tmp:
         for _ in range(args.rounds):
             for arm, server in servers(config, model_path, args, Path(tmp)):
-                with server:
-                    per_arm[arm].append(measure(server, args, config.engine.model_name(),
-                                                model_path, Path(tmp)))
-    arms = {arm: merge_rounds(rounds) for arm, rounds in per_arm.items()}
-    rel = ratios(arms["vllm"], arms["pipeline"]) if len(arms) == 2 else {}
+                try:
+                    with server:
+                        per_arm[arm].append(measure(server, args, config.engine.model_name(),
+                                                    model_path, Path(tmp)))
+                except Exception as exc:  # noqa: BLE001 - the other arms still run; the JSON says why
+                    failed[arm] = f"{type(exc).__name__}: {str(exc)[-2000:]}"
+                    print(f"{arm}: {exc}", file=sys.stderr)
+    arms = {arm: merge_rounds(rounds) for arm, rounds in per_arm.items() if rounds}
+    rel = {arm: ratios(arms["vllm"], arms[arm]) for arm in PIPELINE_ARMS
+           if arm in arms and "vllm" in arms}
     result = {"benchmark": "overhead", "config": args.config, "draft": args.draft,
               "max_tokens": args.max_tokens,
               "requests_per_level": args.requests, "rounds": args.rounds, "arms": arms,
-              "per_round": per_arm, "comparison": rel}
+              "per_round": per_arm, "comparison": rel, "failed_arms": failed}
     Path(args.out).write_text(json.dumps(result, indent=2))
     print_table(arms, per_arm, rel)
     print(f"results written to {args.out}")

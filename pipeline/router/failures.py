@@ -20,12 +20,14 @@ from ray.exceptions import (
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from moonserve.pipeline.api.errors import APIError
+from moonserve.pipeline.router.outputs import ChannelLost
 from moonserve.pipeline.vision.errors import ImageError
 
 logger = logging.getLogger("moonserve.router")
 
+# ChannelLost: the LanguageModel replica's output channel closed mid-request (the replica died).
 REPLICA_FAILURES = (RayActorError, ActorDiedError, ActorUnavailableError, OwnerDiedError,
-                    ObjectLostError, BackPressureError, DeploymentUnavailableError)
+                    ObjectLostError, BackPressureError, DeploymentUnavailableError, ChannelLost)
 
 
 def is_vllm_client_error(exc: BaseException) -> bool:

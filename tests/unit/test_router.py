@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import httpx
+import msgspec
 import numpy as np
 import pytest
 import uvicorn
@@ -26,7 +27,14 @@ from ray.exceptions import ActorDiedError, RayError, RayTaskError
 
 from moonserve.deployments.router import Router
 from moonserve.pipeline.api.protocol import GenerateRequest, GenerationDelta, ImageInfo, ModelInfo
-from moonserve.pipeline.config import LaneLimits, LanesConfig, RouterConfig, VisionConfig
+from moonserve.pipeline.engine.outputs import OutputSenders, send_outputs
+from moonserve.pipeline.config import (
+    LaneLimits,
+    LanesConfig,
+    OutputsConfig,
+    RouterConfig,
+    VisionConfig,
+)
 from moonserve.pipeline.vision.errors import ImageError
 from tests.conftest import MODEL
 
@@ -68,6 +76,7 @@ class FakeLanguageModel:
         self.image_embeds: list[tuple] = []
         self.started = asyncio.Event()
         self.aborted: list[str] = []
+        self.senders = OutputSenders()
 
     async def generate(self, request: GenerateRequest,
                        *image_embeds) -> AsyncIterator[GenerationDelta]:
@@ -78,11 +87,17 @@ class FakeLanguageModel:
         try:
             for k, delta in enumerate(self.deltas):
                 await self.wait_turn(k)
-                yield delta
+                # Like the real one, the last delta says the request is finished.
+                yield msgspec.structs.replace(delta, finished=k == len(self.deltas) - 1)
             finished = True
         finally:
             if not finished:
                 self.aborted.append(request.request_id)
+
+    async def generate_to(self, request: GenerateRequest, address, *image_embeds) -> int:
+        """The real replica's channel path (`send_outputs`) over the scripted deltas."""
+        return await send_outputs(self.senders, address, request.request_id,
+                                  self.generate(request, *image_embeds))
 
     async def wait_turn(self, k: int) -> None:
         if self.fail_at_delta is not None and self.fail_at_delta[0] == k:
@@ -240,6 +255,7 @@ class FakeMethod:
         args = resolve_refs(args)
         call = FakeResponseGenerator(self.method(*args)) if self.handle.stream \
             else FakeResponse(self.method(*args))
+        call.method_name = self.method.__name__
         self.handle.calls.append(call)
         return call
 
@@ -295,17 +311,23 @@ async def serving(router: Router) -> AsyncIterator[httpx.AsyncClient]:
         await task
 
 
+@pytest.fixture(params=["channel", "stream"])
+def router_config(request) -> RouterConfig:
+    """The default config, with each output transport (the channel on 127.0.0.1)."""
+    return RouterConfig(outputs=OutputsConfig(transport=request.param, host="127.0.0.1"))
+
+
 @pytest.fixture
-async def text_client(model_path, lm_handle) -> AsyncIterator[httpx.AsyncClient]:
-    """A text-only Router with the default config."""
-    async with serving(Router(RouterConfig(), lm_handle, model_path)) as client:
+async def text_client(model_path, lm_handle, router_config) -> AsyncIterator[httpx.AsyncClient]:
+    """A text-only Router."""
+    async with serving(Router(router_config, lm_handle, model_path)) as client:
         yield client
 
 
 @pytest.fixture
-async def image_client(model_path, lm_handle, preprocessor,
-                       encoder_handle) -> AsyncIterator[httpx.AsyncClient]:
-    router = Router(RouterConfig(), lm_handle, model_path, vision=VisionConfig(),
+async def image_client(model_path, lm_handle, preprocessor, encoder_handle,
+                       router_config) -> AsyncIterator[httpx.AsyncClient]:
+    router = Router(router_config, lm_handle, model_path, vision=VisionConfig(),
                     preprocessor=FakeDeploymentHandle(preprocessor), encoder=encoder_handle)
     async with serving(router) as client:
         yield client
@@ -419,6 +441,26 @@ async def test_lm_failure_mid_stream_is_an_error_event_then_done(text_client, lm
     assert lm.aborted == [lm.requests[0].request_id]
 
 
+async def test_lost_output_channel_mid_stream_is_a_503_event_and_cancels_the_call(
+        model_path, lm, lm_handle):
+    router = Router(RouterConfig(outputs=OutputsConfig(host="127.0.0.1")), lm_handle, model_path)
+    lm.hold_after = 1  # one delta, then the replica "dies": its connection closes
+    async with serving(router) as client:
+        async with client.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as r:
+            assert r.status_code == 200
+            lines = []
+            async for line in r.aiter_lines():
+                lines.append(line)
+                if '"Hello"' in line:
+                    lm.senders.close()
+    *_, error, done = [line.removeprefix("data: ") for line in lines if line]
+    assert done == "[DONE]"
+    assert json.loads(error)["error"]["code"] == "replica_unavailable"
+    (call,) = [c for c in lm_handle.calls if c.method_name == "generate_to"]
+    assert call.cancelled
+    await wait_for(lambda: lm.aborted, "the LM request to be aborted")
+
+
 @pytest.mark.parametrize("failure, status, code, retry_after", [
     (RuntimeError("engine core died"), 500, "generation_failed", None),
     (ActorDiedError(), 503, "replica_unavailable", "2"),
@@ -459,8 +501,8 @@ async def test_unknown_lane_hint_is_400_naming_the_header(text_client):
     assert "'express'" in error["message"]
 
 
-async def test_client_disconnect_cancels_the_lm_stream(model_path, lm, lm_handle):
-    router = Router(RouterConfig(), lm_handle, model_path)
+async def test_client_disconnect_cancels_the_lm_stream(model_path, lm, lm_handle, router_config):
+    router = Router(router_config, lm_handle, model_path)
     lm.hold_after = 1  # one delta, then the stream waits for tokens that never come
     async with serving(router) as client:
         async with client.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as r:
@@ -469,8 +511,9 @@ async def test_client_disconnect_cancels_the_lm_stream(model_path, lm, lm_handle
                 if '"Hello"' in line:
                     break  # the client hangs up mid-stream
         await wait_for(lambda: lm.aborted, "the LM generate to be cancelled")
-    (stream,) = [call for call in lm_handle.calls if isinstance(call, FakeResponseGenerator)]
-    assert stream.cancelled
+    # The generate stream, or generate_to's call with the channel.
+    (call,) = [c for c in lm_handle.calls if c.method_name.startswith("generate")]
+    assert call.cancelled
     assert lm.aborted == [lm.requests[0].request_id]
     assert (await router.lane_stats())["interactive"]["in_flight"] == 0
 

@@ -1,0 +1,70 @@
+"""`moonserve bench overhead`'s arms: vLLM's server gets the engine arguments the LanguageModel
+gives AsyncLLM (asked of vLLM's own argument parser), the pipeline arms differ only in what they
+say, and the serving-path CPU leaves out the engine's own processes."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import yaml
+
+from moonserve.deployments.language_model import engine_args
+from moonserve.pipeline.bench import overhead
+from moonserve.pipeline.config import DEFAULT_CONFIG, load_app_config
+
+# AsyncEngineArgs fields where the LanguageModel passes None ("vLLM's default") and vLLM's CLI
+# fills in that default, or that only name the tokenizer the model already is.
+SAME_BY_DEFAULT = {"tokenizer", "enable_prefix_caching", "mm_encoder_tp_mode",
+                   "mm_device_do_normalize", "enable_lora", "reasoning_parser_plugin"}
+
+
+def test_vllm_server_gets_the_language_models_engine_arguments():
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    engine = load_app_config(DEFAULT_CONFIG).language_model.engine
+    cmd = overhead.vllm_command(engine, "/m", 8100)
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    parsed = make_arg_parser(FlexibleArgumentParser()).parse_args(cmd[3:])
+    server = AsyncEngineArgs.from_cli_args(parsed)
+    ours = engine_args(engine, "/m")
+    differ = {f.name for f in dataclasses.fields(AsyncEngineArgs)
+              if getattr(server, f.name) != getattr(ours, f.name)}
+    assert differ <= SAME_BY_DEFAULT, {n: (getattr(ours, n), getattr(server, n)) for n in differ}
+    # The parts the comparison depends on, spelled out.
+    assert server.scheduler_cls == "moonserve.pipeline.engine.lane_scheduler.LaneScheduler"
+    assert server.max_num_batched_tokens == engine.max_num_batched_tokens
+    assert server.scheduling_policy == "priority" and server.async_scheduling is False
+
+
+def test_pipeline_arms_differ_only_in_transport_and_drafts(tmp_path: Path):
+    base = yaml.safe_load(Path(DEFAULT_CONFIG).read_text())
+    for arm, spec in overhead.PIPELINE_ARMS.items():
+        transport = spec.transport
+        out = overhead.pipeline_config(str(DEFAULT_CONFIG), "off", transport, tmp_path / arm)
+        config = load_app_config(out)
+        assert config.router.outputs.transport == transport and config.draft.mode == "off"
+        args = yaml.safe_load(out.read_text())["applications"][0]["args"]
+        base_args = base["applications"][0]["args"]
+        assert args["language_model"] == base_args["language_model"]
+        assert {k: v for k, v in args["router"].items() if k != "outputs"} == \
+            {k: v for k, v in base_args["router"].items() if k != "outputs"}
+    kept = overhead.pipeline_config(str(DEFAULT_CONFIG), "config", "channel", tmp_path / "kept")
+    assert load_app_config(kept).draft == load_app_config(DEFAULT_CONFIG).draft
+
+
+def test_serving_cpu_leaves_out_the_engine_processes():
+    cpu = {"VLLM::EngineCore": 30.0, "python": 1.5, "ray::Router": 2.0, "ray::ProxyActor": 1.0,
+           "VLLM::Worker_TP0": 4.0, "raylet": 0.5}
+    assert overhead.serving_cpu(cpu) == 5.0
+
+
+def test_cli_defaults_are_the_issue_levels():
+    parser = argparse.ArgumentParser()
+    overhead.add_arguments(parser)
+    args = parser.parse_args([])
+    assert args.concurrency == [1, 4, 16] and args.draft == "off"
+    assert args.arms == ["vllm", "pipeline", "pipeline_stream"]
