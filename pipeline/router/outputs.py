@@ -10,9 +10,10 @@ that error.
 Example (inside the Router's event loop):
     >>> receiver = OutputReceiver("127.0.0.1")
     >>> address = await receiver.start()                                  # doctest: +SKIP
-    >>> with receiver.open("r1") as outputs:                              # doctest: +SKIP
-    ...     lm.generate_to.remote(request, address)
-    ...     while (deltas := await outputs.next()) is not None: ...
+    >>> outputs = receiver.open("r1")                                     # doctest: +SKIP
+    >>> call = lm.generate_to.remote(request, address)                    # doctest: +SKIP
+    >>> while (deltas := await outputs.next()) is not None: ...           # doctest: +SKIP
+    >>> receiver.close("r1")                                              # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class RequestOutputs:
         self.finished = False  # the last delta has arrived
         self.error: BaseException | None = None
         self.waiter: asyncio.Future | None = None
+        self.connection: ChannelConnection | None = None  # the one its deltas come over
 
     def put(self, delta: GenerationDelta) -> None:
         self.pending.append(delta)
@@ -116,14 +118,14 @@ class OutputReceiver:
             outputs = self.requests.get(request_id)
             if outputs is None:
                 continue  # the request has ended (client gone); its call is being cancelled
+            outputs.connection = connection
             outputs.put(delta)
-            connection.request_ids.add(request_id)
-            if delta.finished:
-                connection.request_ids.discard(request_id)
 
     def lost(self, connection: ChannelConnection, reason: str) -> None:
-        for request_id in connection.request_ids:
-            if (outputs := self.requests.get(request_id)) is not None:
+        """Requests whose deltas came over `connection` end with `ChannelLost` (those with none
+        yet end when their call fails: the replica is gone)."""
+        for outputs in list(self.requests.values()):
+            if outputs.connection is connection:
                 outputs.fail(ChannelLost(f"the LanguageModel's output channel closed: {reason}"))
 
     def stop(self) -> None:
@@ -137,7 +139,6 @@ class ChannelConnection(asyncio.Protocol):
     def __init__(self, receiver: OutputReceiver):
         self.receiver = receiver
         self.reader = FrameReader(receiver.token)
-        self.request_ids: set[str] = set()  # requests with deltas still to come on this connection
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport) -> None:

@@ -5,6 +5,7 @@ tested end to end in test_router.py and in the server tests)."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 import msgspec
 import pytest
@@ -92,6 +93,23 @@ class CountingReceiver(OutputReceiver):
         super().deliver(items, connection)
 
 
+@dataclass
+class Channel:
+    receiver: CountingReceiver
+    address: ChannelAddress
+    senders: OutputSenders
+
+
+@pytest.fixture
+async def channel():
+    """A Router's receiver listening on 127.0.0.1 and a LanguageModel replica's senders."""
+    receiver = CountingReceiver()
+    senders = OutputSenders()
+    yield Channel(receiver, await receiver.start(), senders)
+    senders.close()
+    receiver.stop()
+
+
 async def read_all(outputs) -> list[GenerationDelta]:
     got = []
     while (deltas := await outputs.next()) is not None:
@@ -99,15 +117,13 @@ async def read_all(outputs) -> list[GenerationDelta]:
     return got
 
 
-async def test_one_loop_turn_of_pushes_is_one_frame_for_all_requests():
-    receiver = CountingReceiver()
-    address = await receiver.start()
-    senders = OutputSenders()
+async def test_one_loop_turn_of_pushes_is_one_frame_for_all_requests(channel):
     steps = [asyncio.Event() for _ in range(3)]
     deltas = [[GenerationDelta(f"{r}{k}", 1, 3, finished=k == 2) for k in range(3)]
               for r in "abcd"]
-    outputs = {r: receiver.open(r) for r in "abcd"}
-    sends = [asyncio.ensure_future(send_outputs(senders, address, r, scripted(deltas[i], steps)))
+    outputs = {r: channel.receiver.open(r) for r in "abcd"}
+    sends = [asyncio.ensure_future(send_outputs(channel.senders, channel.address, r,
+                                                scripted(deltas[i], steps)))
              for i, r in enumerate("abcd")]
     for step in steps:
         await asyncio.sleep(0.1)  # connected, every request waiting for this step
@@ -116,83 +132,75 @@ async def test_one_loop_turn_of_pushes_is_one_frame_for_all_requests():
     for r in "abcd":
         assert "".join(d.text for d in await read_all(outputs[r])) == f"{r}0{r}1{r}2"
     # One frame per step with every request's delta, not one message per request per token.
-    assert receiver.frames == [list("abcd")] * 3
-    senders.close()
-    receiver.stop()
+    assert channel.receiver.frames == [list("abcd")] * 3
 
 
-async def test_a_reader_behind_gets_one_merged_delta_per_read():
-    receiver = OutputReceiver("127.0.0.1")
-    address = await receiver.start()
-    senders = OutputSenders()
-    outputs = receiver.open("r")
+async def test_a_reader_behind_gets_one_merged_delta_per_read(channel):
+    outputs = channel.receiver.open("r")
     deltas = [GenerationDelta(t, 1, 3, token_ids=[k]) for k, t in enumerate("abc")]
     deltas[-1] = msgspec.structs.replace(deltas[-1], finish_reason="stop", finished=True)
-    await send_outputs(senders, address, "r", scripted(deltas))
+    await send_outputs(channel.senders, channel.address, "r", scripted(deltas))
     await asyncio.sleep(0.1)
     (merged,) = await outputs.next()
     assert (merged.text, merged.num_tokens, merged.token_ids, merged.finish_reason) == \
         ("abc", 3, [0, 1, 2], "stop")
     assert await outputs.next() is None
-    senders.close()
-    receiver.stop()
 
 
-async def test_error_comes_after_the_deltas_before_it_and_not_after_the_last():
-    receiver = OutputReceiver("127.0.0.1")
-    await receiver.start()
-    outputs = receiver.open("r")
+async def test_error_comes_after_the_deltas_before_it_and_not_after_the_last(channel):
+    outputs = channel.receiver.open("r")
     outputs.put(GenerationDelta("a", 1, 3))
     outputs.fail(RuntimeError("engine died"))
     assert [d.text for d in await outputs.next()] == ["a"]
     with pytest.raises(RuntimeError, match="engine died"):
         await outputs.next()
-    done = receiver.open("s")
+    done = channel.receiver.open("s")
     done.put(GenerationDelta("b", 1, 3, "stop", finished=True))
     done.fail(RuntimeError("late"))  # the call failed after the last delta: nothing is lost
     assert [d.text for d in await done.next()] == ["b"]
     assert await done.next() is None
-    receiver.stop()
 
 
-async def test_lost_connection_fails_the_requests_it_carried():
-    receiver = OutputReceiver("127.0.0.1")
-    address = await receiver.start()
-    senders = OutputSenders()
-    outputs = receiver.open("r")
-    send = asyncio.ensure_future(send_outputs(
-        senders, address, "r", scripted([GenerationDelta("a", 1, 3)])))
-    await send
+async def test_deltas_before_a_failure_are_written_before_it_leaves(channel):
+    outputs = channel.receiver.open("r")
+
+    async def failing():
+        yield GenerationDelta("a", 1, 3)
+        raise RuntimeError("engine died")
+
+    with pytest.raises(RuntimeError):
+        await send_outputs(channel.senders, channel.address, "r", failing())
+    # Written to the socket before the failure went back to the Router (over Ray), not left
+    # for the next loop turn.
+    assert (await channel.senders.get(channel.address)).pending == []
     await asyncio.sleep(0.1)
     assert [d.text for d in await outputs.next()] == ["a"]
-    senders.close()  # the replica's end goes away before the request's last delta
+
+
+async def test_lost_connection_fails_the_requests_it_carried(channel):
+    outputs = channel.receiver.open("r")
+    await send_outputs(channel.senders, channel.address, "r",
+                       scripted([GenerationDelta("a", 1, 3)]))
+    await asyncio.sleep(0.1)
+    assert [d.text for d in await outputs.next()] == ["a"]
+    channel.senders.close()  # the replica's end goes away before the request's last delta
     with pytest.raises(ChannelLost):
         await asyncio.wait_for(outputs.next(), 5)
-    receiver.stop()
 
 
-async def test_a_peer_with_the_wrong_token_is_disconnected_and_delivers_nothing(caplog):
-    receiver = OutputReceiver("127.0.0.1")
-    address = await receiver.start()
-    outputs = receiver.open("r")
-    wrong = ChannelAddress(address.host, address.port, b"w" * TOKEN_BYTES)
-    reader, writer = await asyncio.open_connection(address.host, address.port)
-    writer.write(wrong.token + frame(("r", GenerationDelta("a", 1, 3, finished=True))))
+async def test_a_peer_with_the_wrong_token_is_disconnected_and_delivers_nothing(channel, caplog):
+    outputs = channel.receiver.open("r")
+    reader, writer = await asyncio.open_connection(channel.address.host, channel.address.port)
+    writer.write(b"w" * TOKEN_BYTES + frame(("r", GenerationDelta("a", 1, 3, finished=True))))
     assert await asyncio.wait_for(reader.read(), 5) == b""  # the Router hung up
     assert outputs.pending == [] and not outputs.finished
     assert "wrong channel token" in caplog.text
     writer.close()
-    receiver.stop()
 
 
-async def test_senders_reconnect_after_the_router_closes_the_connection():
-    receiver = OutputReceiver("127.0.0.1")
-    address = await receiver.start()
-    senders = OutputSenders()
-    first = await senders.get(address)
+async def test_senders_reconnect_after_the_router_closes_the_connection(channel):
+    first = await channel.senders.get(channel.address)
     first.close()
     await first.writer.wait_closed()
-    second = await senders.get(address)
+    second = await channel.senders.get(channel.address)
     assert second is not first and not second.closed
-    senders.close()
-    receiver.stop()

@@ -9,6 +9,8 @@ it aborted) and the image fakes, each behind `FakeDeploymentHandle`, which has t
 handle the Router uses (`.method.remote()`, `.options(stream=True)`, `.cancel()`,
 `_to_object_ref()`), runs each call as its own task like a replica, and raises what Ray raises:
 a replica's exception as `RayTaskError(<its type>)`, a dead replica's as `ActorDiedError`.
+The Router runs with each output transport: `stream` (the fake's `generate` through the handle)
+and `channel` (the fake's `generate_to` sends through the real output channel on 127.0.0.1).
 """
 
 from __future__ import annotations
