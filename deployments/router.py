@@ -62,6 +62,7 @@ INLINE_TOKENIZE_CHARS = 16_384
 HEALTH_TIMEOUT_S = 5.0
 # How long a request's deltas may trail its finished LanguageModel call on the output channel.
 CHANNEL_GRACE_S = 10.0
+WATCHES: set[asyncio.Task] = set()
 
 
 class Router:
@@ -373,7 +374,9 @@ def watch_call(call, outputs: RequestOutputs) -> None:
                            "outputs did not arrive")
         asyncio.get_running_loop().call_later(CHANNEL_GRACE_S, outputs.fail, lost)
 
-    asyncio.ensure_future(watch())
+    task = asyncio.ensure_future(watch())
+    WATCHES.add(task)  # the loop holds tasks weakly; held here until the call ends
+    task.add_done_callback(WATCHES.discard)
 
 
 @dataclass
