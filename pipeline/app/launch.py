@@ -88,6 +88,9 @@ class ServerProcess:
         if self.proc is None or self.proc.poll() is not None:
             return None if self.proc is None else self.proc.returncode
         self.proc.send_signal(signal.SIGTERM)
+        return self._wait_or_kill()
+
+    def _wait_or_kill(self) -> int | None:
         try:
             return self.proc.wait(self.stop_timeout_s)
         except subprocess.TimeoutExpired:
@@ -96,6 +99,14 @@ class ServerProcess:
             self.proc.kill()
             self.proc.wait()
             return None
+
+    def interrupt(self) -> int | None:
+        """Ctrl-C as a terminal sends it: SIGINT to the server's whole process group (Ray's
+        daemons and replicas included), then wait as `stop` does."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        os.killpg(self.proc.pid, signal.SIGINT)  # its own session: the group is the server's
+        return self._wait_or_kill()
 
     def log_tail(self, lines: int = 40) -> str:
         try:

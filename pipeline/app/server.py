@@ -6,11 +6,19 @@ validated before Ray starts, so a typo fails in a second, not after an engine st
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import signal
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from moonserve.pipeline.config import EMBEDDED_MODEL, AppConfig, load_serve_config
+
+# What ray.shutdown left of the local cluster gets this long after SIGTERM, then SIGKILL.
+STOP_GRACE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,7 @@ def start_ray(options: ServeOptions) -> None:
     if options.address:
         ray.init(address=options.address)
         return
+    become_subreaper()
     ray.init(include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=options.dashboard_port,
              _metrics_export_port=options.metrics_export_port)
 
@@ -153,3 +162,26 @@ def stop(options: ServeOptions, apps: list[AppSpec]) -> None:
         return
     serve.shutdown()
     ray.shutdown()
+    end_descendants(STOP_GRACE_S)
+
+
+def become_subreaper() -> None:
+    """Linux: descendants orphaned on the way down (a dashboard module after its head died of
+    Ctrl-C, which reaches the whole process group) are re-parented to this process instead of
+    init, so `end_descendants` still finds them."""
+    if sys.platform == "linux":
+        PR_SET_CHILD_SUBREAPER = 36
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def end_descendants(grace_s: float) -> None:
+    """SIGTERM whatever of the local cluster `ray.shutdown` left, SIGKILL it after `grace_s`."""
+    left = psutil.Process().children(recursive=True)
+    for process in left:
+        with contextlib.suppress(psutil.Error):
+            process.terminate()
+    _, alive = psutil.wait_procs(left, timeout=grace_s)
+    for process in alive:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    psutil.wait_procs(alive, timeout=5)

@@ -1,9 +1,9 @@
 """The real `moonserve serve` (Ray Serve + vLLM CPU engine), started once per run.
 
 Tests here talk to it over real HTTP with the real `openai` client; tests/conftest.py marks every
-test that uses the `server` fixture `server`. The fixture's teardown sends SIGTERM like a user's
-Ctrl-C would and fails the run if `moonserve serve` does not exit cleanly or leaves any of its
-processes (Ray, replicas, vLLM engine cores) behind.
+test that uses the `server` fixture `server`. The fixture's teardown is a user's Ctrl-C (SIGINT to
+the whole process group) and fails the run if `moonserve serve` does not exit cleanly, or if any of
+its processes (Ray's daemons, dashboard modules, replicas, vLLM engine cores) is alive 30 s after.
 """
 
 from __future__ import annotations
@@ -79,10 +79,12 @@ def server(tmp_path_factory) -> RunningServer:
     tree = process.descendants()
     yield RunningServer(process)
     disconnect_ray()
-    code = process.stop()
-    assert code == 0, f"moonserve serve exited with {code} after SIGTERM:\n{process.log_tail()}"
-    left = wait_gone(tree, timeout_s=30)
-    assert not left, f"processes left behind after SIGTERM: {left}"
+    tree = list({p.pid: p for p in tree + process.descendants()}.values())  # and what started since
+    began = time.monotonic()
+    code = process.interrupt()  # Ctrl-C in a terminal: SIGINT to every process of the group
+    assert code == 0, f"moonserve serve exited with {code} after Ctrl-C:\n{process.log_tail()}"
+    left = wait_gone(tree, timeout_s=max(1.0, 30 - (time.monotonic() - began)))
+    assert not left, f"processes left 30 s after Ctrl-C: {left}"
 
 
 def disconnect_ray() -> None:

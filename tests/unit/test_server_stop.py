@@ -1,0 +1,42 @@
+"""What `moonserve serve` does after `ray.shutdown`: end every process of the local cluster it
+started, orphans included (the live Ctrl-C test is the `server` fixture's teardown)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_CHILD_SUBREAPER is Linux")
+
+# A stand-in for a local Ray cluster on its way down: a child that ignores SIGTERM, and a
+# grandchild orphaned when its parent exits (as a dashboard module is when its head dies).
+SCRIPT = textwrap.dedent("""
+    import json, subprocess, sys, time
+    from moonserve.pipeline.app.server import become_subreaper, end_descendants
+
+    become_subreaper()
+    stubborn = subprocess.Popen([sys.executable, "-c",
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"])
+    parent = subprocess.Popen(["sh", "-c", "sleep 300 & echo $!"], stdout=subprocess.PIPE)
+    orphan = int(parent.stdout.readline())
+    parent.wait()
+    time.sleep(0.5)
+    print(json.dumps({"pids": [stubborn.pid, orphan]}), flush=True)
+    end_descendants(1.0)
+    print(json.dumps({"left": [p.pid for p in __import__("psutil").Process().children(True)]}))
+""")
+
+
+def test_end_descendants_ends_orphans_and_processes_that_ignore_sigterm():
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
+                         timeout=60, check=True).stdout.splitlines()
+    pids = json.loads(out[0])["pids"]
+    assert json.loads(out[1])["left"] == []
+    for pid in pids:
+        assert not psutil.pid_exists(pid) or \
+            psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, pid
