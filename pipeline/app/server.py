@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import signal
 import sys
 from dataclasses import dataclass
@@ -63,6 +64,14 @@ def start_ray(options: ServeOptions) -> None:
     become_subreaper()
     ray.init(include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=options.dashboard_port,
              _metrics_export_port=options.metrics_export_port)
+
+
+def dashboard_login(environ=os.environ) -> str:
+    """How into the dashboard: with Ray's token authentication on (the default for a cluster
+    `ray.init` starts; `RAY_AUTH_MODE=disabled` turns it off), it asks for the cluster's token."""
+    if environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        return ""
+    return " (it asks for Ray's token: `ray get-auth-token` prints it)"
 
 
 def metrics_url() -> str | None:
@@ -138,8 +147,8 @@ def run_until_signalled(options: ServeOptions) -> int:
         host, port = deploy(options, http, apps)
         print(f"moonserve: OpenAI API at http://{host}:{port}/v1 (health: /health)", flush=True)
         if not options.address:
-            print(f"moonserve: Ray dashboard at http://127.0.0.1:{options.dashboard_port}",
-                  flush=True)
+            print(f"moonserve: Ray dashboard at http://127.0.0.1:{options.dashboard_port}"
+                  f"{dashboard_login()}", flush=True)
         print(f"moonserve: Prometheus metrics at {metrics_url()}", flush=True)
         while True:
             signal.pause()

@@ -40,3 +40,11 @@ def test_end_descendants_ends_orphans_and_processes_that_ignore_sigterm():
     for pid in pids:
         assert not psutil.pid_exists(pid) or \
             psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, pid
+
+
+def test_dashboard_line_says_how_to_log_in_when_ray_asks_for_a_token():
+    from moonserve.pipeline.app.server import dashboard_login
+
+    assert "`ray get-auth-token`" in dashboard_login({"RAY_AUTH_MODE": "token"})
+    assert dashboard_login({"RAY_AUTH_MODE": "disabled"}) == ""
+    assert dashboard_login({}) == ""
