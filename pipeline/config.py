@@ -558,6 +558,17 @@ def load_serve_config(path: str | Path) -> dict:
     return data
 
 
+def write_with_args(path: str | Path, overrides: dict[str, dict], out: Path) -> Path:
+    """A copy of a Ray Serve config file at `out` with sections of its first application's `args`
+    updated key by key (`{"draft": {"mode": "off"}}` keeps the other `draft` keys)."""
+    data = load_serve_config(path)
+    args = data["applications"][0].setdefault("args", {})
+    for section, values in overrides.items():
+        args[section] = {**(args.get(section) or {}), **values}
+    out.write_text(yaml.safe_dump(data, sort_keys=False))
+    return out
+
+
 def load_app_config(path: str | Path, app_name: str | None = None) -> AppConfig:
     """Validate the `args` of the moonserve application in a Ray Serve config file."""
     apps = load_serve_config(path)["applications"]

@@ -85,12 +85,12 @@ class ServerProcess:
     def stop(self) -> int | None:
         """SIGTERM, wait; SIGKILL the whole tree if it does not exit in time. Returns the exit code
         (None when it had to be killed)."""
+        return self._signal_and_wait(lambda proc: proc.send_signal(signal.SIGTERM))
+
+    def _signal_and_wait(self, send) -> int | None:
         if self.proc is None or self.proc.poll() is not None:
             return None if self.proc is None else self.proc.returncode
-        self.proc.send_signal(signal.SIGTERM)
-        return self._wait_or_kill()
-
-    def _wait_or_kill(self) -> int | None:
+        send(self.proc)
         try:
             return self.proc.wait(self.stop_timeout_s)
         except subprocess.TimeoutExpired:
@@ -103,10 +103,8 @@ class ServerProcess:
     def interrupt(self) -> int | None:
         """Ctrl-C as a terminal sends it: SIGINT to the server's whole process group (Ray's
         daemons and replicas included), then wait as `stop` does."""
-        if self.proc is None or self.proc.poll() is not None:
-            return None if self.proc is None else self.proc.returncode
-        os.killpg(self.proc.pid, signal.SIGINT)  # its own session: the group is the server's
-        return self._wait_or_kill()
+        # Its own session: the group is the server's.
+        return self._signal_and_wait(lambda proc: os.killpg(proc.pid, signal.SIGINT))
 
     def log_tail(self, lines: int = 40) -> str:
         try:

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
-import yaml
 from moonserve.pipeline.app.launch import ServerProcess
 from moonserve.pipeline.bench.client import run_load, summarize
 from moonserve.pipeline.config import (
@@ -30,6 +29,7 @@ from moonserve.pipeline.config import (
     EngineConfig,
     LanguageModelConfig,
     load_app_config,
+    write_with_args,
 )
 
 PROMPTS = [
@@ -174,14 +174,11 @@ def cpu_per_token(before: dict, after: dict, tokens: int) -> dict[str, float]:
 def pipeline_config(config_path: str, draft: str, transport: str, out: Path) -> Path:
     """The config file with the app's `router.outputs.transport` set, and `draft.mode: off`
     unless `draft` is `config`."""
-    data = yaml.safe_load(Path(config_path).read_text())
-    args = data["applications"][0].setdefault("args", {})
-    router = args.setdefault("router", {})
-    router["outputs"] = {**(router.get("outputs") or {}), "transport": transport}
+    outputs = load_app_config(config_path).router.outputs.model_dump() | {"transport": transport}
+    overrides = {"router": {"outputs": outputs}}
     if draft == "off":
-        args["draft"] = {**(args.get("draft") or {}), "mode": "off"}
-    out.write_text(yaml.safe_dump(data, sort_keys=False))
-    return out
+        overrides["draft"] = {"mode": "off"}
+    return write_with_args(config_path, overrides, out)
 
 
 # vLLM's engine-core and worker processes retitle themselves (setproctitle) with these names.

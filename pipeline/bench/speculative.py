@@ -24,11 +24,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-import yaml
 
 from moonserve.pipeline.bench.client import percentile, run_load
 from moonserve.pipeline.bench.corpus import chat_prompts, copy_prompts
-from moonserve.pipeline.config import DEFAULT_CONFIG, load_app_config
+from moonserve.pipeline.config import DEFAULT_CONFIG, load_app_config, write_with_args
 from moonserve.pipeline.app.launch import ServerProcess
 
 ARMS = ("off", "vllm_ngram", "service_ngram", "service_dspark")
@@ -53,11 +52,7 @@ def workloads(n: int) -> dict[str, list[str]]:
 
 def arm_config(config_path: str, draft: dict, out: Path) -> Path:
     """A copy of the config file with the app's `draft` section overridden."""
-    data = yaml.safe_load(Path(config_path).read_text())
-    args = data["applications"][0].setdefault("args", {})
-    args["draft"] = {**args.get("draft", {}), **draft}
-    out.write_text(yaml.safe_dump(data, sort_keys=False))
-    return out
+    return write_with_args(config_path, {"draft": draft}, out)
 
 
 def handles(with_draft_service: bool):

@@ -58,9 +58,10 @@ class OutputSender:
         if items and not self.closed:
             self.writer.write(encode_frame(self.encoder, items))
 
-    async def wait_writable(self) -> None:
-        if self.writer.transport.get_write_buffer_size() > HIGH_WATER_BYTES:
-            await self.writer.drain()
+    @property
+    def backed_up(self) -> bool:
+        """The Router has left more than `HIGH_WATER_BYTES` unread."""
+        return self.writer.transport.get_write_buffer_size() > HIGH_WATER_BYTES
 
     def close(self) -> None:
         self.writer.close()
@@ -107,7 +108,8 @@ async def send_outputs(senders: OutputSenders, address: ChannelAddress, request_
             async for delta in deltas:
                 sender.push(request_id, delta)
                 num_tokens += delta.num_tokens
-                await sender.wait_writable()
+                if sender.backed_up:  # checked inline: no coroutine per token when it is not
+                    await sender.writer.drain()
         except Exception:
             # The deltas before the failure leave before the failure does (it goes back over
             # Ray), so the Router streams them before the error event.

@@ -1,5 +1,6 @@
-"""What `moonserve serve` does after `ray.shutdown`: end every process of the local cluster it
-started, orphans included (the live Ctrl-C test is the `server` fixture's teardown)."""
+"""`moonserve serve` around Ray: after `ray.shutdown` it ends every process of the local cluster it
+started, orphans included (the live Ctrl-C test is the `server` fixture's teardown); at start it
+says how into the dashboard."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import textwrap
 import psutil
 import pytest
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_CHILD_SUBREAPER is Linux")
 
 # A stand-in for a local Ray cluster on its way down: a child that ignores SIGTERM, and a
 # grandchild orphaned when its parent exits (as a dashboard module is when its head dies).
@@ -32,6 +32,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_CHILD_SUBREAPER is Linux")
 def test_end_descendants_ends_orphans_and_processes_that_ignore_sigterm():
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
                          timeout=60, check=True).stdout.splitlines()
