@@ -16,6 +16,7 @@ from ray.serve import Application
 from moonserve.deployments.draft import DraftService
 from moonserve.deployments.language_model import LanguageModel
 from moonserve.deployments.preprocess import ImagePreprocessor
+from moonserve.deployments.rate_limiter import RateLimiter
 from moonserve.deployments.router import Router
 from moonserve.deployments.vision import VisionEncoder
 from moonserve.pipeline.api.auth import ApiKeys, keys_from_env
@@ -26,6 +27,7 @@ from moonserve.pipeline.config import (
     DeploymentOptions,
     DraftConfig,
     LanguageModelConfig,
+    RateLimitsConfig,
     RouterConfig,
     VisionConfig,
     VisionEncoderConfig,
@@ -78,7 +80,18 @@ def bind_router(config: RouterConfig, language_model, model_path: str,
     each a bound deployment or an existing handle."""
     router = serve.deployment(serve.ingress()(Router), name="Router", **router_options(config))
     return router.bind(config, language_model, model_path, resolve_api_keys(config), vision,
-                       preprocessor, encoder, trust_remote_code, chat)
+                       preprocessor, encoder, trust_remote_code, chat,
+                       bind_rate_limiter(config.rate_limits))
+
+
+def bind_rate_limiter(config: RateLimitsConfig) -> Application | None:
+    """One replica holds every client's buckets (so the limits are the application's); None
+    when no limit is set."""
+    if not config.enabled():
+        return None
+    return serve.deployment(RateLimiter, name="RateLimiter", num_replicas=1,
+                            max_ongoing_requests=4096,
+                            ray_actor_options={"num_cpus": 0}).bind(config)
 
 
 def resolve_encoder_path(config: VisionEncoderConfig, lm_path: str) -> str:

@@ -24,9 +24,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from moonserve.pipeline.api.auth import ApiKeys
+from moonserve.pipeline.api.auth import ApiKeys, client_id
 from moonserve.pipeline.api.body import parse_body, read_body
 from moonserve.pipeline.api.errors import APIError, bad_request
+from moonserve.pipeline.api.rate_limits import rate_limited
 from moonserve.pipeline.api.lanes import Lanes, Slot
 from moonserve.pipeline.api.limits import (
     check_chat_limits,
@@ -67,15 +68,18 @@ WATCHES: set[asyncio.Task] = set()
 
 class Router:
     """`api_keys` is None when auth is off (the builder resolves keys from config and env);
-    `vision` is None when the app has no ImagePreprocessor and VisionEncoder (their handles)."""
+    `vision` is None when the app has no ImagePreprocessor and VisionEncoder (their handles);
+    `rate_limiter` is None when `router.rate_limits` sets no limit (else the RateLimiter's handle)."""
 
     def __init__(self, config: RouterConfig, language_model, model_path: str,
                  api_keys: ApiKeys | None = None, vision: VisionConfig | None = None,
                  preprocessor=None, encoder=None, trust_remote_code: bool = False,
-                 chat: ChatConfig | None = None):
+                 chat: ChatConfig | None = None, rate_limiter=None):
         self.limits = config.limits
         self.lm = language_model
         self.api_keys = api_keys
+        self.rate_limiter = rate_limiter
+        self.rate_limits = config.rate_limits
         chat = chat or ChatConfig()
         # Kimi checkpoints ship their own tokenizer code (the engine's trust_remote_code).
         self.prompts = PromptBuilder.from_pretrained(
@@ -116,9 +120,37 @@ class Router:
             self.api_keys.check(request.headers.get("authorization"))
 
     async def parse(self, request: Request, model):
-        """Auth, then the body within its byte limit, then validation: cheapest refusals first."""
+        """Auth, then the client's rate limits, then the body within its byte limit, then
+        validation: cheapest refusals first."""
         self.authenticate(request)
+        await self.check_rate(request)
         return parse_body(model, await read_body(request, self.limits.max_request_bytes))
+
+    def client(self, request: Request) -> str:
+        return client_id(request.headers.get("authorization"),
+                         request.client.host if request.client else None,
+                         keyed=self.api_keys is not None)
+
+    async def check_rate(self, request: Request) -> None:
+        """429 + Retry-After when the client is over one of `router.rate_limits`."""
+        if self.rate_limiter is None:
+            return
+        try:
+            refusal = await self.rate_limiter.acquire.remote(self.client(request))
+        except Exception as exc:  # noqa: BLE001 - a limiter restart must not stop the service
+            logger.warning("rate limiter unavailable (%s: %s); request let in",
+                           type(exc).__name__, exc)
+            return
+        if refusal is not None:
+            raise rate_limited(self.rate_limits, *refusal)
+
+    def rate_charge(self, request: Request, num_prompt_tokens: int):
+        """What a request's trace calls when it ends: its tokens go on the client's bill."""
+        if self.rate_limiter is None:
+            return None
+        client = self.client(request)
+        return lambda num_tokens: self.rate_limiter.charge.remote(
+            client, num_prompt_tokens + num_tokens)
 
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
@@ -254,7 +286,8 @@ class Router:
         sampling = sampling_spec(job.body, max_tokens,
                                  plan.structured_outputs if plan else None,
                                  plan.skip_special_tokens if plan else None)
-        trace = RequestTrace(self.metrics, lane, arrival)
+        trace = RequestTrace(self.metrics, lane, arrival,
+                             on_finish=self.rate_charge(request, len(job.prompt_ids)))
         slot = await self.lanes.admit(lane)
         try:
             self.metrics.prompt(lane, len(job.prompt_ids))

@@ -281,6 +281,24 @@ class LimitsConfig(StrictModel):
         return self
 
 
+class RateLimitsConfig(StrictModel):
+    """Per client (API key; client address with auth off), for the whole application whatever the
+    number of Router replicas (pipeline/api/rate_limits.py). Over a limit: 429 with Retry-After.
+
+    With a limit set, the app runs a `RateLimiter` deployment that holds every client's buckets;
+    each request costs the Router one call to it before the body is read, and one when it ends.
+    If that call fails, the request goes ahead (a limiter restart must not stop the service).
+    """
+
+    # Requests each client may send per second (a second's worth at once); None: no limit.
+    requests_per_s: PositiveFloat | None = None
+    # Prompt plus completion tokens per client per minute; None: no limit.
+    tokens_per_min: PositiveInt | None = None
+
+    def enabled(self) -> bool:
+        return self.requests_per_s is not None or self.tokens_per_min is not None
+
+
 class LaneLimits(StrictModel):
     """One lane's admission limits toward the LanguageModel (per Router replica)."""
 
@@ -489,6 +507,7 @@ class RouterConfig(StrictModel):
     auth: AuthConfig = AuthConfig()
     limits: LimitsConfig = LimitsConfig()
     lanes: LanesConfig = LanesConfig()
+    rate_limits: RateLimitsConfig = RateLimitsConfig()
     outputs: OutputsConfig = OutputsConfig()
 
     @model_validator(mode="after")

@@ -13,6 +13,7 @@ Example (inside a replica):
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 # Seconds: 5 ms .. 5 min, dense where interactive TTFT and inter-token latency live.
@@ -127,14 +128,18 @@ class RouterMetrics:
 class RequestTrace:
     """Times one request from its arrival at the router; feeds TTFT, ITL and latency metrics."""
 
-    def __init__(self, metrics: RouterMetrics | None, lane: str, arrival: float):
+    def __init__(self, metrics: RouterMetrics | None, lane: str, arrival: float,
+                 on_finish: Callable[[int], object] | None = None):
         self.metrics = metrics
         self.lane = lane
         self.arrival = arrival
+        self.on_finish = on_finish  # called with the completion tokens when the request ends
+        self.num_tokens = 0
         self.last: float | None = None
         self.failed = False  # the LM call raised (a stream may still end "normally" after it)
 
     def delta(self, num_tokens: int) -> None:
+        self.num_tokens += num_tokens
         if self.metrics is None or num_tokens <= 0:
             return
         now = time.monotonic()
@@ -146,3 +151,5 @@ class RequestTrace:
     def finish(self, ok: bool) -> None:
         if self.metrics is not None:
             self.metrics.finished(self.lane, time.monotonic() - self.arrival, ok and not self.failed)
+        if self.on_finish is not None:
+            self.on_finish(self.num_tokens)

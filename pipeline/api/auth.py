@@ -33,16 +33,33 @@ class ApiKeys:
 
     def check(self, authorization: str | None) -> None:
         """Raises a 401 `APIError` unless the header carries one of the keys."""
-        scheme, _, presented = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not presented.strip():
+        presented = bearer_key(authorization)
+        if presented is None:
             raise unauthorized("missing API key: send 'Authorization: Bearer <key>'")
-        candidate = digest(presented.strip())
+        candidate = digest(presented)
         # Compare against every key (no early exit), so timing says nothing about which matched.
         matched = False
         for known in self.digests:
             matched |= hmac.compare_digest(candidate, known)
         if not matched:
             raise unauthorized("invalid API key")
+
+
+def bearer_key(authorization: str | None) -> str | None:
+    """The key of an `Authorization: Bearer <key>` header; None when there is none."""
+    scheme, _, presented = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not presented.strip():
+        return None
+    return presented.strip()
+
+
+def client_id(authorization: str | None, address: str | None, keyed: bool) -> str:
+    """Who a request counts against for rate limits: its API key's digest when the app checks
+    keys (`keyed`), else the client's address. Never the key itself."""
+    key = bearer_key(authorization) if keyed else None
+    if key is not None:
+        return "key:" + digest(key).hex()[:32]
+    return f"address:{address or 'unknown'}"
 
 
 def unauthorized(message: str) -> APIError:

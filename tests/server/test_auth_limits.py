@@ -6,6 +6,8 @@ second engine): auth on, small limits.
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -105,3 +107,48 @@ def test_limits_are_enforced_naming_the_field(secured, body, status, param):
     r = post(secured, body)
     assert r.status_code == status, r.text
     assert r.json()["error"]["param"] == param
+
+
+# Rate limits: one app-wide RateLimiter; each key its own buckets. 0.5 requests/s holds one
+# request per 2 s; 20 tokens/min is less than one request's prompt and completion.
+OTHER_KEY = "sk-test-77ab01"
+RATE_LIMITS = {"requests_per_s": 0.5, "tokens_per_min": 20}
+
+
+@pytest.fixture(scope="module")
+def limited(server):
+    with server.router_app("limited", auth={"enabled": True, "api_keys": [KEY, OTHER_KEY]},
+                           rate_limits=RATE_LIMITS) as url:
+        yield url
+
+
+def tokenize(url: str, key: str) -> httpx.Response:
+    return httpx.post(f"{url}/tokenize", json={"model": MODEL, "prompt": "hi"},
+                      headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+
+def test_a_key_over_its_request_rate_gets_429_with_retry_after(limited):
+    assert tokenize(limited, KEY).status_code == 200
+    r = tokenize(limited, KEY)  # within 2 s of the first
+    assert r.status_code == 429, r.text
+    assert r.headers["retry-after"] in ("1", "2")
+    error = r.json()["error"]
+    assert error["type"] == "rate_limit_exceeded" and "requests_per_s" in error["message"]
+    assert KEY not in r.text
+    assert tokenize(limited, OTHER_KEY).status_code == 200  # another key is not held back
+    time.sleep(int(r.headers["retry-after"]))
+    assert tokenize(limited, KEY).status_code == 200
+
+
+def test_a_key_over_its_tokens_waits_for_them(limited):
+    time.sleep(2.1)  # the request bucket refilled
+    first = post(limited, chat(), key=OTHER_KEY)
+    assert first.status_code == 200, first.text
+    used = first.json()["usage"]["total_tokens"]
+    assert used > RATE_LIMITS["tokens_per_min"]
+    time.sleep(2.1)
+    r = post(limited, chat(), key=OTHER_KEY)
+    assert r.status_code == 429, r.text
+    assert "tokens_per_min" in r.json()["error"]["message"]
+    # In debt by used - 20 tokens, refilled at 20 per minute since the first request ended.
+    assert int(r.headers["retry-after"]) == pytest.approx((used - 20) * 3 - 2.1 * 1, abs=3)
