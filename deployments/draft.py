@@ -17,6 +17,7 @@ Example (without Serve):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import statistics
 import threading
@@ -89,7 +90,8 @@ class DraftService:
         torch.set_num_threads(1)
         self.config = config
         self.core = DraftCore(drafter_factories(config, draft_model_path, target_path),
-                              config.drafter, config.sessions, prefetch=config.prefetch)
+                              config.drafter, config.sessions, prefetch=config.prefetch,
+                              adaptive=config.adaptive)
         self.lock = threading.Lock()  # the core is used by one thread at a time
         self.metrics = DraftMetrics()
         self.recent_rtt_s: deque[float] = deque(maxlen=4096)
@@ -123,9 +125,12 @@ class DraftService:
         await asyncio.to_thread(after)
         return reply
 
-    async def set_drafter(self, name: str) -> dict:
-        """Switch drafters (all sessions restart from the next step); returns `stats()`."""
-        await asyncio.to_thread(self._locked, self.core.set_drafter, name)
+    async def set_drafter(self, name: str, adaptive: bool | None = None) -> dict:
+        """Switch drafters (all sessions restart from the next step), and adaptive drafting on or
+        off when `adaptive` is given (`draft.adaptive` otherwise); returns `stats()`."""
+        policy = self.config.adaptive if adaptive is None else \
+            dataclasses.replace(self.config.adaptive, enabled=adaptive)
+        await asyncio.to_thread(self._locked, self.core.set_drafter, name, policy)
         self.recent_rtt_s.clear()  # `stats()` round trips are the active drafter's
         return await self.stats()
 

@@ -28,6 +28,7 @@ from pydantic import (
     model_validator,
 )
 
+from moonserve.pipeline.speculative.adaptive import AdaptivePolicy
 from moonserve.pipeline.speculative.sessions import SessionLimits
 from moonserve.pipeline.vision.preprocess_config import DEFAULT_CONFIG as PREPROCESS_DEFAULTS
 from moonserve.pipeline.vision.preprocess_config import PreprocessConfig
@@ -451,6 +452,9 @@ class DraftConfig(StrictModel):
     service_timeout_s: PositiveFloat = 2.0
     # Bounds on the per-request contexts (pipeline/speculative/sessions.py).
     sessions: SessionLimits = SessionLimits()
+    # With `service`: per request, draft only the tokens its acceptance so far makes worth it
+    # (num_speculative_tokens is then the most; pipeline/speculative/adaptive.py).
+    adaptive: AdaptivePolicy = AdaptivePolicy()
     num_gpus: float = Field(0.0, ge=0)
     deployment: DeploymentOptions = DeploymentOptions(max_ongoing_requests=64)
 

@@ -123,6 +123,14 @@ CHAT_TASKS = [
     "Suggest a name for a friendly robot and explain it.", "What is the capital of Japan?",
 ]
 
+# One-line questions with short answers (`short_chat`: 32 tokens each).
+SHORT_CHAT_TASKS = [
+    "What is 12 times 7?", "Who wrote Hamlet?", "What color is a ripe banana?",
+    "How many days are in a leap year?", "What is the boiling point of water in Celsius?",
+    "Translate 'thank you' into French.", "What is the largest planet?", "Is a tomato a fruit?",
+    "What does CPU stand for?", "Name a mammal that can fly.",
+]
+
 
 def copy_prompts(n: int, seed: int = 0) -> list[str]:
     """`n` rewrite/extract prompts whose answers copy long spans from the prompt."""
@@ -140,3 +148,8 @@ def copy_prompts(n: int, seed: int = 0) -> list[str]:
 def chat_prompts(n: int) -> list[str]:
     """`n` plain chat questions (little to copy from the prompt)."""
     return [CHAT_TASKS[i % len(CHAT_TASKS)] for i in range(n)]
+
+
+def short_chat_prompts(n: int) -> list[str]:
+    """`n` one-line questions whose answers are a sentence or two."""
+    return [SHORT_CHAT_TASKS[i % len(SHORT_CHAT_TASKS)] for i in range(n)]

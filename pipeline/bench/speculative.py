@@ -1,39 +1,64 @@
 """Decode speed with and without speculative decoding, on the embedded model, all arms in one run.
 
-Arms: `off` (no speculation); `vllm_ngram` (vLLM's in-engine prompt lookup, `draft.mode: inline`);
-`service_ngram` and `service_dspark` (the DraftService, `draft.mode: service`; one engine, the
-drafter switched with `DraftService.set_drafter`). Every arm uses the same k, n-gram sizes and
-greedy requests, so all arms must produce identical text (`outputs_match_off`).
+Arms: `off` (no speculation); `vllm_ngram` (vLLM's in-engine prompt lookup, `draft.mode: inline`;
+`--vllm-ngram-k K` adds `vllm_ngram_kK`, the same at k = K); `service_ngram` (the DraftService,
+`draft.mode: service`, with `draft.adaptive` as configured), `service_ngram_fixed` (the same with
+adaptive drafting off: k drafts every step), `service_dspark` and `service_none` (the service
+path drafting nothing: the cost of the path by itself); one engine for the service arms, switched
+with `DraftService.set_drafter`. Every arm uses the same n-gram sizes and greedy
+requests, so all arms must produce identical text (`outputs_match_off`); all but `vllm_ngram_kK`
+draft at most `num_speculative_tokens` (the config's, or `--num-speculative-tokens`).
 
-Workloads: `copy` (rewrite/extract tasks whose answers copy from the prompt) and `chat` (plain
-questions). Requests run `--concurrency` at a time. Per arm and workload: decode tokens/s
+Workloads: `copy` (rewrite/extract tasks whose answers copy from the prompt), `chat` (plain
+questions), both `--max-tokens` long, and `short_chat` (one-line questions, 32-token answers).
+Requests run `--concurrency` at a time. Per arm and workload: decode tokens/s
 (completion tokens / wall time), per-request latency and TTFT, and from the engine and the
 service: acceptance rate (accepted / draft tokens), mean acceptance length (1 + accepted / drafts:
 tokens per verify step, as vLLM logs it) and prefetch hit rate.
 
-    moonserve bench speculative [--requests 8] [--max-tokens 96] [--out bench-speculative.json]
+    moonserve bench speculative [--requests 8] [--max-tokens 96] [--num-speculative-tokens K]
+                                [--vllm-ngram-k K ...] [--arms a,b] [--out bench-speculative.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import statistics
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
 from moonserve.pipeline.bench.client import percentile, run_load
-from moonserve.pipeline.bench.corpus import chat_prompts, copy_prompts
+from moonserve.pipeline.bench.corpus import chat_prompts, copy_prompts, short_chat_prompts
 from moonserve.pipeline.config import DEFAULT_CONFIG, load_app_config, write_with_args
 from moonserve.pipeline.app.launch import ServerProcess
 
-ARMS = ("off", "vllm_ngram", "service_ngram", "service_dspark")
-# Engine configurations; the service arms share one engine.
-ENGINES = {"off": {"mode": "off"}, "vllm_ngram": {"mode": "inline", "drafter": "ngram"},
-           "service": {"mode": "service", "drafter": "ngram"}}
+
+
+@dataclass(frozen=True)
+class Arm:
+    engine: str  # arms with the same engine share one server
+    draft: dict = field(default_factory=dict)  # the engine's `draft` section (over the config's)
+    drafter: str | None = None  # service arms: `DraftService.set_drafter(drafter, adaptive)`
+    adaptive: bool | None = None  # None: `draft.adaptive` as configured
+
+
+SERVICE = {"mode": "service", "drafter": "ngram"}
+ARMS = {
+    "off": Arm("off", {"mode": "off"}),
+    "vllm_ngram": Arm("vllm_ngram", {"mode": "inline", "drafter": "ngram"}),
+    "service_ngram_fixed": Arm("service", SERVICE, "ngram", adaptive=False),
+    "service_ngram": Arm("service", SERVICE, "ngram"),
+    "service_dspark": Arm("service", SERVICE, "dspark"),
+    # The service path with no drafts at all: what speculation costs a step by itself.
+    "service_none": Arm("service", SERVICE, "none"),
+}
+SHORT_CHAT_MAX_TOKENS = 32
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,12 +67,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--arms", default=",".join(ARMS), help=f"subset of {','.join(ARMS)}")
+    parser.add_argument("--workloads", default="copy,chat,short_chat",
+                        help="subset of copy,chat,short_chat")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None,
+                        help="the most drafts per step for every arm (default: the config's)")
+    parser.add_argument("--vllm-ngram-k", type=int, nargs="*", default=[],
+                        help="also run vLLM's ngram at these k (arms vllm_ngram_kK)")
     parser.add_argument("--port", type=int, default=8041)
     parser.add_argument("--out", default="bench-speculative.json")
 
 
-def workloads(n: int) -> dict[str, list[str]]:
-    return {"copy": copy_prompts(n), "chat": chat_prompts(n)}
+def workloads(args) -> dict[str, tuple[list[str], int]]:
+    """name -> (prompts, max_tokens)."""
+    n = args.requests
+    every = {"copy": (copy_prompts(n), args.max_tokens), "chat": (chat_prompts(n), args.max_tokens),
+             "short_chat": (short_chat_prompts(n), SHORT_CHAT_MAX_TOKENS)}
+    wanted = args.workloads.split(",")
+    unknown = set(wanted) - set(every)
+    if unknown:
+        raise ValueError(f"unknown workloads {sorted(unknown)}; choose from {','.join(every)}")
+    return {name: every[name] for name in wanted}
+
+
+def chosen_arms(args) -> dict[str, Arm]:
+    """The arms asked for, each engine's draft section with `--num-speculative-tokens` applied."""
+    k = {} if args.num_speculative_tokens is None else \
+        {"num_speculative_tokens": args.num_speculative_tokens}
+    arms = {name: Arm(a.engine, {**a.draft, **k}, a.drafter, a.adaptive)
+            for name, a in ARMS.items()}
+    for extra in args.vllm_ngram_k:
+        arms[f"vllm_ngram_k{extra}"] = Arm(f"vllm_ngram_k{extra}", {
+            "mode": "inline", "drafter": "ngram", "num_speculative_tokens": extra})
+    wanted = [a for a in args.arms.split(",") if a] + [f"vllm_ngram_k{k}" for k in
+                                                       args.vllm_ngram_k]
+    unknown = set(wanted) - set(arms)
+    if unknown:
+        raise ValueError(f"unknown arms {sorted(unknown)}; choose from {','.join(ARMS)}")
+    return {name: arms[name] for name in arms if name in wanted}
 
 
 def arm_config(config_path: str, draft: dict, out: Path) -> Path:
@@ -74,9 +130,10 @@ def counters(lm, draft) -> dict:
     return out
 
 
-def measure(base_url: str, model: str, prompts: list[str], args, lm, draft) -> dict:
+def measure(base_url: str, model: str, prompts: list[str], max_tokens: int, args, lm,
+            draft) -> dict:
     bodies = [{"model": model, "messages": [{"role": "user", "content": p}],
-               "max_tokens": args.max_tokens, "temperature": 0} for p in prompts]
+               "max_tokens": max_tokens, "temperature": 0} for p in prompts]
     url = f"{base_url}/v1/chat/completions"
     asyncio.run(run_load(url, bodies[:1], 1))  # warm-up, not counted
     before = counters(lm, draft)
@@ -106,10 +163,10 @@ def measure(base_url: str, model: str, prompts: list[str], args, lm, draft) -> d
     }
 
 
-def run_engine(engine: str, arms: list[str], args, tmp: Path) -> dict[str, dict]:
+def run_engine(engine: str, arms: dict[str, Arm], args, tmp: Path) -> dict[str, dict]:
     import ray
 
-    config_file = arm_config(args.config, ENGINES[engine], tmp / f"{engine}.yaml")
+    config_file = arm_config(args.config, next(iter(arms.values())).draft, tmp / f"{engine}.yaml")
     model = load_app_config(config_file).language_model.engine.model_name()
     cmd = [sys.executable, "-m", "moonserve.pipeline.app.cli", "serve", "--config", str(config_file),
            "--port", str(args.port), "--dashboard-port", str(args.port + 150)]
@@ -118,18 +175,20 @@ def run_engine(engine: str, arms: list[str], args, tmp: Path) -> dict[str, dict]
                        start_timeout_s=600) as server:
         ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
         try:
-            lm, draft = handles(with_draft_service=engine == "service")
-            for arm in arms:
-                if arm.startswith("service_"):
-                    draft.set_drafter.remote(arm.removeprefix("service_")).result()
-                results[arm] = {name: measure(server.base_url, model, prompts, args, lm, draft)
-                                for name, prompts in workloads(args.requests).items()}
+            first = next(iter(arms.values()))
+            lm, draft = handles(with_draft_service=first.drafter is not None)
+            for name, arm in arms.items():
+                if arm.drafter is not None:
+                    draft.set_drafter.remote(arm.drafter, arm.adaptive).result()
+                results[name] = {
+                    workload: measure(server.base_url, model, prompts, max_tokens, args, lm, draft)
+                    for workload, (prompts, max_tokens) in workloads(args).items()}
         finally:
             ray.shutdown()
     return results
 
 
-def run_engine_in_child(engine: str, arms: list[str], args, tmp: Path) -> dict[str, dict]:
+def run_engine_in_child(engine: str, arms: dict[str, Arm], args, tmp: Path) -> dict[str, dict]:
     """`run_engine` in a fresh process: Serve's client state does not survive one Ray cluster
     being replaced by the next within a process."""
     import multiprocessing
@@ -145,24 +204,24 @@ def run_engine_in_child(engine: str, arms: list[str], args, tmp: Path) -> dict[s
     return json.loads(out.read_text())
 
 
-def _run_engine_to_file(engine: str, arms: list[str], args, tmp: Path, out: Path) -> None:
+def _run_engine_to_file(engine: str, arms: dict[str, Arm], args, tmp: Path, out: Path) -> None:
     out.write_text(json.dumps(run_engine(engine, arms, args, tmp)))
 
 
 def main(args: argparse.Namespace) -> int:
-    wanted = [a for a in args.arms.split(",") if a]
-    unknown = set(wanted) - set(ARMS)
-    if unknown:
-        print(f"unknown arms {sorted(unknown)}; choose from {','.join(ARMS)}", file=sys.stderr)
+    try:
+        arms = chosen_arms(args)
+        workloads(args)
+    except ValueError as e:
+        print(e, file=sys.stderr)
         return 2
-    per_engine = {"off": ["off"], "vllm_ngram": ["vllm_ngram"],
-                  "service": [a for a in wanted if a.startswith("service_")]}
+    per_engine: dict[str, dict[str, Arm]] = {}
+    for name, arm in arms.items():
+        per_engine.setdefault(arm.engine, {})[name] = arm
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="moonserve-bench-") as tmp:
-        for engine, arms in per_engine.items():
-            arms = [a for a in arms if a in wanted]
-            if arms:
-                results |= run_engine_in_child(engine, arms, args, Path(tmp))
+        for engine, engine_arms in per_engine.items():
+            results |= run_engine_in_child(engine, engine_arms, args, Path(tmp))
     report = summarize(args, results)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print_table(report)
@@ -179,10 +238,12 @@ def summarize(args, results: dict[str, dict]) -> dict:
                 r["outputs_match_off"] = r["texts"] == base[name]["texts"]
     config = load_app_config(args.config).draft
     return {"benchmark": "speculative", "config": args.config, "requests": args.requests,
-            "max_tokens": args.max_tokens, "concurrency": args.concurrency,
-            "num_speculative_tokens": config.num_speculative_tokens,
+            "max_tokens": args.max_tokens, "short_chat_max_tokens": SHORT_CHAT_MAX_TOKENS,
+            "concurrency": args.concurrency,
+            "num_speculative_tokens": args.num_speculative_tokens or config.num_speculative_tokens,
             "ngram": [config.ngram_min, config.ngram_max], "deadline_ms": config.deadline_ms,
-            "prefetch": config.prefetch, "arms": results}
+            "prefetch": config.prefetch, "adaptive": dataclasses.asdict(config.adaptive),
+            "arms": results}
 
 
 def print_table(report: dict) -> None:

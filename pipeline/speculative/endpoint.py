@@ -8,9 +8,11 @@ straight to the DraftService replica (a DEALER socket talking to a ROUTER):
 - `StepServer` (in the DraftService replica): a ROUTER on the node's address, served by one thread.
   A proposer connects with the PLAIN mechanism, its password the secret from `endpoint()`; pyzmq's
   ZAP authenticator refuses any other during the handshake, so the handler only sees steps from
-  proposers that were told the secret. Each step gets its reply, and the work a handler defers
-  (the prefetch) runs right after the reply is queued, on the same thread, while the target
-  verifies.
+  proposers that were told the secret, and nothing past the handshake's few hundred bytes is read
+  before the secret is checked. A message over `MAX_STEP_BYTES` drops its connection unread (zmq's
+  `maxmsgsize`; the proposer then resolves and reconnects). Each step gets its reply, and the work
+  a handler defers (the prefetch) runs right after the reply is queued, on the same thread, while
+  the target verifies.
 - `EndpointResolver` (in the LanguageModel replica): a ROUTER on a Unix socket (`ipc://`) whose
   path is in `MOONSERVE_DRAFT_SOCKET`; the proposer asks it `EndpointQuery(stale=old)` and it
   answers the DraftService's current `EndpointAnswer(endpoint="host:port", token=...)`, asking
@@ -57,6 +59,9 @@ logger = logging.getLogger("moonserve.draft_endpoint")
 StepHandler = Callable[[dict], tuple[dict, Callable[[], object] | None]]
 # The proposer's PLAIN user name; its password is the step server's token.
 PLAIN_USERNAME = "proposer"
+# The largest step message read: a first step sends a request's whole context (about 5 bytes a
+# token), so this holds a batch with a few 1M-token contexts.
+MAX_STEP_BYTES = 64 << 20
 # A step connection neither connected nor refused by then counts as lost (no step waits for it).
 CONNECT_TIMEOUT_S = 1.0
 # Monitor events after which a step connection is gone (zmq does not redial: see below).
@@ -130,7 +135,7 @@ class _RouterServer:
 class StepServer(_RouterServer):
     """The DraftService's step server (see module doc); `handler` runs on its one thread."""
 
-    def __init__(self, handler: StepHandler, host: str):
+    def __init__(self, handler: StepHandler, host: str, max_message_bytes: int = MAX_STEP_BYTES):
         super().__init__("draft-steps")
         self.handler = handler
         self.host = host
@@ -139,6 +144,7 @@ class StepServer(_RouterServer):
         self.auth.start()
         self.auth.configure_plain(domain="*", passwords={PLAIN_USERNAME: self.token})
         self.sock.plain_server = True
+        self.sock.maxmsgsize = max_message_bytes
         self.sock.bind(f"tcp://{host}:*")
         self.port = int(self.sock.last_endpoint.decode().rsplit(":", 1)[1])
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from moonserve.pipeline.speculative.adaptive import AdaptivePolicy
 from moonserve.pipeline.speculative.drafter import Drafter
 from moonserve.pipeline.speculative.sessions import (
     ContextTooLongError,
@@ -45,9 +46,11 @@ class DraftCore:
     """The active drafter's sessions; `set_drafter` switches drafters (and drops all sessions)."""
 
     def __init__(self, drafters: dict[str, Callable[[], Drafter]], active: str,
-                 limits: SessionLimits | None = None, prefetch: bool = True):
+                 limits: SessionLimits | None = None, prefetch: bool = True,
+                 adaptive: AdaptivePolicy | None = None):
         self.factories = drafters
         self.limits = limits or SessionLimits()
+        self.adaptive = adaptive or AdaptivePolicy()
         self.prefetch_enabled = prefetch
         self.loaded: dict[str, Drafter] = {}
         # Set: replies tell the proposer to wait this long from now on (None: its configured one).
@@ -56,13 +59,15 @@ class DraftCore:
         self.to_prefetch: list[str] = []
         self.set_drafter(active)
 
-    def set_drafter(self, name: str) -> None:
+    def set_drafter(self, name: str, adaptive: AdaptivePolicy | None = None) -> None:
+        """Switch to drafter `name` (and to `adaptive`, when given)."""
         if name not in self.factories:
             raise ValueError(f"unknown drafter {name!r}; this service has {sorted(self.factories)}")
         if name not in self.loaded:  # built on first use (a DSpark drafter loads weights)
             self.loaded[name] = self.factories[name]()
         self.active = name
-        self.sessions = DraftSessions(self.loaded[name], self.limits,
+        self.adaptive = adaptive or self.adaptive
+        self.sessions = DraftSessions(self.loaded[name], self.limits, adaptive=self.adaptive,
                                       on_verified=self.accepted.append)
 
     def step(self, message: dict) -> tuple[dict, StepObservation]:

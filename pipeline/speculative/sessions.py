@@ -15,6 +15,9 @@ becomes `context[:position] + new_token_ids`:
 Proposals are cached per (context length, num_speculative_tokens) until the context changes, so
 every rank asking at the same position gets the same drafts, even from a sampling drafter.
 
+`num_speculative_tokens` is the most a proposal may hold: each session drafts as many as its
+acceptance so far makes worth it, maybe none (`moonserve.pipeline.speculative.adaptive`).
+
 Prefetch (PEARL's post-verify idea): after answering a step, `prefetch` drafts k + 1 tokens past
 the context PLUS the drafts just returned, as if the target accepts them all; the first of those
 k + 1 guesses the target's bonus token. When the next call brings exactly drafts + that bonus, the
@@ -24,7 +27,7 @@ Methods are synchronous and not thread-safe: call them from one thread (the repl
 
 Example:
     >>> from moonserve.pipeline.speculative.ngram import NgramDrafter
-    >>> sessions = DraftSessions(NgramDrafter(min_n=1, max_n=2))
+    >>> sessions = DraftSessions(NgramDrafter(min_n=1, max_n=2), adaptive=AdaptivePolicy(False))
     >>> sessions.draft("req-1", [4, 5, 6, 4], position=0, num_speculative_tokens=2)
     [5, 6]
     >>> sessions.draft("req-1", [5, 9], position=4, num_speculative_tokens=2)  # 5 accepted, 9 bonus
@@ -43,6 +46,7 @@ from dataclasses import dataclass, field
 from pydantic import ConfigDict, PositiveFloat, PositiveInt
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
+from moonserve.pipeline.speculative.adaptive import Acceptance, AdaptivePolicy
 from moonserve.pipeline.speculative.drafter import Drafter, DrafterState
 
 
@@ -107,6 +111,7 @@ class SessionStats:
     num_evicted_lru: int = 0
     num_evicted_idle: int = 0
     num_proposals: int = 0
+    num_paused: int = 0  # proposals left empty: the session's acceptance made no draft worth it
     num_cached_proposals: int = 0
     num_truncations: int = 0
     num_prefetches: int = 0
@@ -136,6 +141,7 @@ class DraftSession:
     # (num_tokens, num_speculative_tokens, draft_token_ids) of the last proposal
     cached_proposal: tuple[int, int, list[int]] | None = None
     prefetched: Prefetch | None = None
+    acceptance: Acceptance = field(default_factory=Acceptance)
 
     @property
     def num_tokens(self) -> int:
@@ -150,6 +156,7 @@ class DraftSessions:
     limits: SessionLimits = field(default_factory=SessionLimits)
     clock: Callable[[], float] = time.monotonic
     stats: SessionStats = field(default_factory=SessionStats)
+    adaptive: AdaptivePolicy = field(default_factory=AdaptivePolicy)
     # Called with the number of a proposal's drafts the next call's tokens confirm.
     on_verified: Callable[[int], None] | None = None
     _sessions: OrderedDict[str, DraftSession] = field(
@@ -207,7 +214,8 @@ class DraftSessions:
         return session.num_tokens
 
     def propose(self, request_id: str, num_speculative_tokens: int) -> list[int]:
-        """Up to `num_speculative_tokens` drafts for the current context; idempotent."""
+        """Up to `num_speculative_tokens` drafts for the current context (as many as the
+        session's acceptance makes worth it); idempotent."""
         session = self._sessions.get(request_id)
         if session is None:
             raise UnknownRequestError(request_id)
@@ -216,15 +224,24 @@ class DraftSessions:
         if session.cached_proposal is not None and session.cached_proposal[:2] == key:
             self.stats.num_cached_proposals += 1
             return list(session.cached_proposal[2])
-        drafts = self._take_prefetch(session, num_speculative_tokens)
+        session.cached_proposal = (*key, self._new_proposal(session, num_speculative_tokens))
+        return list(session.cached_proposal[2])
+
+    def _new_proposal(self, session: DraftSession, num_speculative_tokens: int) -> list[int]:
+        k = session.acceptance.num_drafts(num_speculative_tokens, self.adaptive)
+        if k == 0:
+            session.prefetched = None
+            self.stats.num_paused += 1
+            return []
+        drafts = self._take_prefetch(session, k)
         if drafts is None:
-            drafts = list(session.state.propose(num_speculative_tokens))
+            drafts = list(session.state.propose(k))
             self.stats.num_proposals += 1
-        session.cached_proposal = (*key, drafts)
-        return list(drafts)
+        return drafts
 
     def prefetch(self, request_id: str) -> bool:
-        """Draft the step after the last proposal, assuming all its drafts get accepted.
+        """Draft the step after the last proposal, assuming all its drafts get accepted (k + 1
+        tokens for the proposal's k = `num_speculative_tokens`, the most the next step may take).
 
         False when there is nothing to prefetch (no session, no drafts, already prefetched).
         """
@@ -257,11 +274,14 @@ class DraftSessions:
     def _observe_verification(self, session: DraftSession, new_token_ids: Sequence[int],
                               position: int) -> None:
         proposal = session.cached_proposal
-        if self.on_verified is None or proposal is None or not proposal[2] or \
-                proposal[0] != position or position != session.num_tokens or not new_token_ids:
+        if proposal is None or not proposal[2] or proposal[0] != position or \
+                position != session.num_tokens or not new_token_ids:
             return
         # The target sends its accepted drafts, then one token of its own.
-        self.on_verified(_common_prefix_len(proposal[2], 0, new_token_ids[:-1]))
+        accepted = _common_prefix_len(proposal[2], 0, new_token_ids[:-1])
+        session.acceptance.observe(len(proposal[2]), accepted, self.adaptive)
+        if self.on_verified is not None:
+            self.on_verified(accepted)
 
     def release(self, request_id: str) -> bool:
         """Forget a finished or aborted request; False when it had no session."""

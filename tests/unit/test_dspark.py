@@ -27,6 +27,7 @@ from moonserve.pipeline.bench.acceptance import (
     offline_proposals,
     summarize_acceptance,
 )
+from moonserve.pipeline.speculative.adaptive import AdaptivePolicy
 from moonserve.pipeline.speculative.drafter import Drafter, DrafterState
 from moonserve.pipeline.models.dspark import DSparkConfig, DSparkModel, target_shared_tensors
 from moonserve.pipeline.models.weights import CONFIG_FILE, WEIGHTS_FILE
@@ -341,7 +342,7 @@ def test_protocol_caps_and_sessions():
     state.append(random_ids(10))
     assert len(state.propose(4)) == 2  # max_model_len - num_tokens
     assert state.propose(0) == []
-    sessions = DraftSessions(DSparkDrafter(random_model(TINY_GQA)))
+    sessions = DraftSessions(DSparkDrafter(random_model(TINY_GQA)), adaptive=AdaptivePolicy(False))
     ids = random_ids(20)
     first = sessions.draft("r", ids[:15], position=0, num_speculative_tokens=3)
     again = sessions.draft("r", ids[15:], position=15, num_speculative_tokens=3)

@@ -16,17 +16,20 @@ import pytest
 import zmq
 
 from moonserve.pipeline.engine.proposer import DraftClient, ProposerStats
+from moonserve.pipeline.speculative.adaptive import AdaptivePolicy
 from moonserve.pipeline.speculative.endpoint import PLAIN_USERNAME, EndpointResolver, StepServer
 from moonserve.pipeline.speculative.ngram import NgramDrafter
 from moonserve.pipeline.speculative.service import DraftCore
 from moonserve.pipeline.speculative.wire import Row, StepReply, StepRequest
 
+# The service's mechanics, with every proposal as long as asked.
+FIXED_K = AdaptivePolicy(enabled=False)
 COPY = [7, 8, 9, 10, 11, 12, 13, 7, 8, 9]
 
 
 def core(prefetch: bool = True) -> DraftCore:
     return DraftCore({"ngram": lambda: NgramDrafter(min_n=2, max_n=3)}, "ngram",
-                     prefetch=prefetch)
+                     prefetch=prefetch, adaptive=FIXED_K)
 
 
 def step(c: DraftCore, rows, k=3, release=()):
@@ -237,6 +240,22 @@ def test_a_connection_without_the_token_is_refused(servers):
         sock.send(msgspec.msgpack.encode(StepRequest(seq=1, k=3, rows=[Row("a", 0, COPY)])))
         assert sock.poll(500) == 0  # refused in the handshake: no answer
     assert handler.received == 0
+
+
+def test_an_oversized_step_drops_its_connection_unread_and_others_go_on(servers, clients):
+    handler = CoreHandler()
+    (step_server,) = servers(StepServer(handler, host="127.0.0.1", max_message_bytes=1024))
+    token = step_server.endpoint()["token"]
+    with zmq.Context() as context, context.socket(zmq.DEALER) as sock:
+        sock.linger = 0
+        sock.plain_username, sock.plain_password = PLAIN_USERNAME.encode(), token.encode()
+        sock.connect(f"tcp://{step_server.endpoint()['endpoint']}")
+        big = StepRequest(seq=1, k=3, rows=[Row("a", 0, list(range(1000)))])
+        sock.send(msgspec.msgpack.encode(big))  # about 2 KB: over the bound
+        assert sock.poll(500) == 0  # dropped: no answer
+    assert handler.received == 0
+    client, _, _ = connected_client(step_server, servers, clients)
+    assert client.call(message([["a", 0, COPY]])).drafts == [[10, 11, 12]]
 
 
 def test_a_refused_client_reports_the_address_stale(servers, clients, monkeypatch):

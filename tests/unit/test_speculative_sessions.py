@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from moonserve.pipeline.speculative.adaptive import AdaptivePolicy
 from moonserve.pipeline.speculative.drafter import Drafter, DrafterState
 from moonserve.pipeline.speculative.ngram import NgramDrafter, NgramIndex, propose_ngram
 from moonserve.pipeline.speculative.sessions import (
@@ -20,6 +21,9 @@ from moonserve.pipeline.speculative.sessions import (
     SessionLimits,
     UnknownRequestError,
 )
+
+# The sessions' mechanics, with every proposal as long as asked.
+FIXED_K = AdaptivePolicy(enabled=False)
 
 VLLM_FUNCTION = "_find_longest_matched_ngram_and_propose_tokens"
 
@@ -188,7 +192,7 @@ class FakeClock:
 def make_sessions(**limits):
     clock = FakeClock()
     sessions = DraftSessions(
-        NgramDrafter(min_n=1, max_n=3), SessionLimits(**limits), clock
+        NgramDrafter(min_n=1, max_n=3), SessionLimits(**limits), clock, adaptive=FIXED_K
     )
     return sessions, clock
 
@@ -265,7 +269,7 @@ class CountingDrafter:
 
 def test_idempotent_per_request_and_position():
     drafter = CountingDrafter()
-    sessions = DraftSessions(drafter)
+    sessions = DraftSessions(drafter, adaptive=FIXED_K)
     first = sessions.draft("a", [1, 2, 3], position=0, num_speculative_tokens=2)
     # a second tensor-parallel rank sends the same call
     assert sessions.draft("a", [1, 2, 3], position=0, num_speculative_tokens=2) == first

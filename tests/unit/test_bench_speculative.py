@@ -1,0 +1,49 @@
+"""`moonserve bench speculative`'s arms and workloads, without starting a server."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from moonserve.pipeline.bench import speculative
+from moonserve.pipeline.config import load_app_config
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    speculative.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_arms_share_engines_and_take_the_asked_k(tmp_path):
+    args = parse("--num-speculative-tokens", "8", "--vllm-ngram-k", "4",
+                 "--arms", "off,vllm_ngram,service_ngram_fixed,service_ngram")
+    arms = speculative.chosen_arms(args)
+    assert list(arms) == ["off", "vllm_ngram", "service_ngram_fixed", "service_ngram",
+                          "vllm_ngram_k4"]
+    assert arms["service_ngram_fixed"].engine == arms["service_ngram"].engine
+    assert (arms["service_ngram_fixed"].adaptive, arms["service_ngram"].adaptive) == (False, None)
+    for name, k in (("vllm_ngram", 8), ("service_ngram", 8), ("vllm_ngram_k4", 4)):
+        path = speculative.arm_config(args.config, arms[name].draft, tmp_path / f"{name}.yaml")
+        draft = load_app_config(path).draft  # the app's own validation of the written section
+        assert draft.num_speculative_tokens == k
+        assert draft.mode == ("service" if name.startswith("service") else "inline")
+
+
+def test_unknown_arm_is_refused_by_name():
+    with pytest.raises(ValueError, match="service_magic"):
+        speculative.chosen_arms(parse("--arms", "off,service_magic"))
+
+
+def test_short_chat_answers_are_32_tokens_whatever_max_tokens_says():
+    loads = speculative.workloads(parse("--requests", "3", "--max-tokens", "200"))
+    assert {name: (len(prompts), max_tokens) for name, (prompts, max_tokens) in loads.items()} == \
+        {"copy": (3, 200), "chat": (3, 200), "short_chat": (3, 32)}
+    assert all("\n" not in p for p in loads["short_chat"][0])
+
+
+def test_workloads_can_be_chosen_and_unknown_ones_are_refused():
+    assert list(speculative.workloads(parse("--workloads", "short_chat"))) == ["short_chat"]
+    with pytest.raises(ValueError, match="long_chat"):
+        speculative.workloads(parse("--workloads", "copy,long_chat"))
