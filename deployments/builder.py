@@ -13,6 +13,7 @@ Example:
 from ray import serve
 from ray.serve import Application
 
+from moonserve.deployments.admission import LaneAdmission
 from moonserve.deployments.draft import DraftService
 from moonserve.deployments.language_model import LanguageModel
 from moonserve.deployments.preprocess import ImagePreprocessor
@@ -26,6 +27,7 @@ from moonserve.pipeline.config import (
     ChatConfig,
     DeploymentOptions,
     DraftConfig,
+    LanesConfig,
     LanguageModelConfig,
     RateLimitsConfig,
     RouterConfig,
@@ -43,20 +45,22 @@ def resolve_model_path(config: LanguageModelConfig) -> str:
     return str(prepare_language_model())
 
 
-def language_model_options(config: LanguageModelConfig) -> dict:
+def language_model_options(config: LanguageModelConfig, drain_s: float | None = None) -> dict:
     actor_options: dict = {"num_cpus": config.deployment.num_cpus}
     if config.env:
         actor_options["runtime_env"] = {"env_vars": dict(config.env)}
+    router = config.routing.request_router_config()
     return {
-        **config.deployment.serve_options(),
+        **config.deployment.serve_options(drain_s),
+        **({"request_router_config": router} if router else {}),
         "ray_actor_options": actor_options,
         "placement_group_bundles": [dict(b) for b in config.placement.bundles],
         "placement_group_strategy": config.placement.strategy,
     }
 
 
-def router_options(config: RouterConfig) -> dict:
-    return cpu_options(config.deployment)
+def router_options(config: RouterConfig, drain_s: float | None = None) -> dict:
+    return cpu_options(config.deployment, drain_s=drain_s)
 
 
 def resolve_api_keys(config: RouterConfig) -> ApiKeys | None:
@@ -75,13 +79,27 @@ def resolve_api_keys(config: RouterConfig) -> ApiKeys | None:
 
 def bind_router(config: RouterConfig, language_model, model_path: str,
                 vision: VisionConfig | None = None, preprocessor=None, encoder=None,
-                trust_remote_code: bool = False, chat: ChatConfig | None = None) -> Application:
+                trust_remote_code: bool = False, chat: ChatConfig | None = None,
+                drain_s: float | None = None) -> Application:
     """The Router ingress bound to a LanguageModel (and, with `vision`, the image deployments);
-    each a bound deployment or an existing handle."""
-    router = serve.deployment(serve.ingress()(Router), name="Router", **router_options(config))
+    each a bound deployment or an existing handle. `drain_s`: its graceful shutdown."""
+    router = serve.deployment(serve.ingress()(Router), name="Router",
+                              **router_options(config, drain_s))
     return router.bind(config, language_model, model_path, resolve_api_keys(config), vision,
                        preprocessor, encoder, trust_remote_code, chat,
-                       bind_rate_limiter(config.rate_limits))
+                       bind_rate_limiter(config.rate_limits),
+                       bind_admission(config.lanes, config.deployment.max_replicas()))
+
+
+def bind_admission(config: LanesConfig, router_replicas: int) -> Application | None:
+    """One replica holds the lanes when they are the application's and the Router may have more
+    than one replica; None when each Router replica's own lanes do."""
+    if config.scope != "application" or router_replicas == 1:
+        return None
+    return serve.deployment(LaneAdmission, name="LaneAdmission", num_replicas=1,
+                            # every queued request is one call waiting here
+                            max_ongoing_requests=config.capacity() * router_replicas + 1024,
+                            ray_actor_options={"num_cpus": 0}).bind(config)
 
 
 def bind_rate_limiter(config: RateLimitsConfig) -> Application | None:
@@ -103,9 +121,10 @@ def resolve_encoder_path(config: VisionEncoderConfig, lm_path: str) -> str:
     return str(prepare_vision_encoder(lm_path))
 
 
-def cpu_options(options: DeploymentOptions, num_gpus: float = 0.0) -> dict:
+def cpu_options(options: DeploymentOptions, num_gpus: float = 0.0,
+                drain_s: float | None = None) -> dict:
     actor = {"num_cpus": options.num_cpus, **({"num_gpus": num_gpus} if num_gpus else {})}
-    return {**options.serve_options(), "ray_actor_options": actor}
+    return {**options.serve_options(drain_s), "ray_actor_options": actor}
 
 
 def bind_vision(vision: VisionConfig, lm_path: str) -> tuple[Application, Application]:
@@ -129,29 +148,34 @@ def resolve_draft_model_path(config: DraftConfig, lm_path: str) -> str:
     return str(prepare_drafter(lm_path))
 
 
-def bind_draft_service(config: DraftConfig, lm_path: str) -> Application:
+def bind_draft_service(config: DraftConfig, lm_path: str,
+                       drain_s: float | None = None) -> Application:
     return serve.deployment(
-        DraftService, name="DraftService", **cpu_options(config.deployment, config.num_gpus),
+        DraftService, name="DraftService",
+        **cpu_options(config.deployment, config.num_gpus, drain_s),
     ).bind(config, resolve_draft_model_path(config, lm_path), lm_path)
 
 
-def bind_language_model(config: LanguageModelConfig, model_path: str,
-                        draft: DraftConfig) -> Application:
-    draft_service = bind_draft_service(draft, model_path) if draft.mode == "service" else None
+def bind_language_model(config: LanguageModelConfig, model_path: str, draft: DraftConfig,
+                        drain_s: float | None = None) -> Application:
+    draft_service = bind_draft_service(draft, model_path, drain_s) \
+        if draft.mode == "service" else None
     return serve.deployment(
-        LanguageModel, name="LanguageModel", **language_model_options(config)
+        LanguageModel, name="LanguageModel", **language_model_options(config, drain_s)
     ).bind(config, model_path, draft, draft_service)
 
 
 def build_app(args: AppConfig) -> Application:
-    """Router (ingress) -> [ImagePreprocessor -> VisionEncoder] -> LanguageModel [<- DraftService]."""
+    """Router (ingress) -> [ImagePreprocessor -> VisionEncoder] -> LanguageModel [<- DraftService].
+    The Router, LanguageModel and DraftService drain for `args.drain_s()` when stopped."""
     model_path = resolve_model_path(args.language_model)
-    language_model = bind_language_model(args.language_model, model_path, args.draft)
+    drain_s = args.drain_s()
+    language_model = bind_language_model(args.language_model, model_path, args.draft, drain_s)
     trust = args.language_model.engine.trust_remote_code
     chat = args.language_model.chat
     if args.vision is None:
         return bind_router(args.router, language_model, model_path, trust_remote_code=trust,
-                           chat=chat)
+                           chat=chat, drain_s=drain_s)
     preprocessor, encoder = bind_vision(args.vision, model_path)
     return bind_router(args.router, language_model, model_path, args.vision, preprocessor, encoder,
-                       trust, chat)
+                       trust, chat, drain_s)

@@ -46,6 +46,10 @@ class EngineLoad:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Prefix cache totals since start, in prompt tokens (vLLM's prefix_cache_queries / _hits).
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_requests: int = 0  # generate calls since start
 
 
 def load_logger_factory(load: EngineLoad):
@@ -65,11 +69,24 @@ def load_logger_factory(load: EngineLoad):
                     load.num_drafts += spec.num_drafts
                     load.num_draft_tokens += spec.num_draft_tokens
                     load.num_accepted_tokens += spec.num_accepted_tokens
+                load.prefix_cache_queries += scheduler_stats.prefix_cache_stats.queries
+                load.prefix_cache_hits += scheduler_stats.prefix_cache_stats.hits
 
         def log_engine_initialized(self):
             pass
 
     return EngineLoadLogger
+
+
+def replica_name() -> str | None:
+    """This replica's Serve id (None outside Serve)."""
+    from ray import serve
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except RayServeException:
+        return None
 
 
 def executor_backend(engine: EngineConfig) -> str | None:
@@ -252,6 +269,7 @@ class LanguageModel:
                        *image_embeds) -> AsyncIterator[GenerationDelta]:
         """`image_embeds`: one [num_image_tokens, hidden] array per image, in prompt order (Ray
         resolves the router's ObjectRefs, so they come straight from the encoder's output)."""
+        self.load.num_requests += 1
         # Gathering and splicing embeddings is CPU work: off the loop that serves every stream.
         prompt = await asyncio.to_thread(self.prompt, request, image_embeds) if image_embeds \
             else self.prompt(request, image_embeds)
@@ -304,6 +322,10 @@ class LanguageModel:
             "num_drafts": self.load.num_drafts,
             "num_draft_tokens": self.load.num_draft_tokens,
             "num_accepted_tokens": self.load.num_accepted_tokens,
+            "prefix_cache_queries": self.load.prefix_cache_queries,
+            "prefix_cache_hits": self.load.prefix_cache_hits,
+            "num_requests": self.load.num_requests,
+            "replica": replica_name(),
         }
 
     async def check_health(self) -> None:

@@ -24,11 +24,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from moonserve.pipeline.api.admission import SharedLanes
 from moonserve.pipeline.api.auth import ApiKeys, client_id
 from moonserve.pipeline.api.body import parse_body, read_body
 from moonserve.pipeline.api.errors import APIError, bad_request
 from moonserve.pipeline.api.rate_limits import rate_limited
-from moonserve.pipeline.api.lanes import Lanes, Slot
+from moonserve.pipeline.api.lanes import Lanes
 from moonserve.pipeline.api.limits import (
     check_chat_limits,
     check_completion_limits,
@@ -38,6 +39,7 @@ from moonserve.pipeline.api.limits import (
 from moonserve.pipeline.api.prompt import PromptBuilder, check_token_ids, resolve_max_tokens
 from moonserve.pipeline.api.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     Completion,
     CompletionRequest,
     DetokenizeRequest,
@@ -69,12 +71,14 @@ WATCHES: set[asyncio.Task] = set()
 class Router:
     """`api_keys` is None when auth is off (the builder resolves keys from config and env);
     `vision` is None when the app has no ImagePreprocessor and VisionEncoder (their handles);
-    `rate_limiter` is None when `router.rate_limits` sets no limit (else the RateLimiter's handle)."""
+    `rate_limiter` is None when `router.rate_limits` sets no limit (else the RateLimiter's handle);
+    `admission` is the LaneAdmission's handle when the lanes are the application's and the Router
+    has replicas, else None (this replica's own lanes)."""
 
     def __init__(self, config: RouterConfig, language_model, model_path: str,
                  api_keys: ApiKeys | None = None, vision: VisionConfig | None = None,
                  preprocessor=None, encoder=None, trust_remote_code: bool = False,
-                 chat: ChatConfig | None = None, rate_limiter=None):
+                 chat: ChatConfig | None = None, rate_limiter=None, admission=None):
         self.limits = config.limits
         self.lm = language_model
         self.api_keys = api_keys
@@ -92,8 +96,10 @@ class Router:
         self.image_placeholder_id = None if self.images is None else \
             self.prompts.token_id(self.images.placeholder)
         self.metrics = RouterMetrics()
-        self.lanes = Lanes(config.lanes, observer=self.metrics)
+        self.lanes = Lanes(config.lanes, observer=self.metrics) if admission is None else \
+            SharedLanes(config.lanes, admission, observer=self.metrics)
         self.hint_header = config.lanes.hint_header
+        self.template_tokens = template_tokens(self.prompts)
         self.receiver = None if config.outputs.transport == "stream" else \
             OutputReceiver(config.outputs.host or node_ip_address())
         self._info: ModelInfo | None = None
@@ -124,7 +130,17 @@ class Router:
         validation: cheapest refusals first."""
         self.authenticate(request)
         await self.check_rate(request)
-        return parse_body(model, await read_body(request, self.limits.max_request_bytes))
+        raw = await read_body(request, self.limits.max_request_bytes)
+        request.state.body_bytes = len(raw)
+        return parse_body(model, raw)
+
+    def refuse_early(self, request: Request, bounded: bool) -> None:
+        """429/503 before any tokenization or image work when every lane the request may land in
+        is full. `bounded`: its prompt has at most its body's bytes in tokens, plus the chat
+        template's own (no images or tools, which the template may expand)."""
+        limit = request.state.body_bytes + self.template_tokens \
+            if bounded and self.template_tokens is not None else None
+        self.lanes.refuse_early(request.headers.get(self.hint_header), limit)
 
     def client(self, request: Request) -> str:
         return client_id(request.headers.get("authorization"),
@@ -157,6 +173,7 @@ class Router:
         body = await self.parse(request, ChatCompletionRequest)
         check_chat_limits(body, self.limits)
         info = await self.check_model(body.model)
+        self.refuse_early(request, bounded=not body.image_parts() and not body.tools)
         plan = self.parsing.plan(body)
         images = await self.start_images(body)
         placeholder = "" if self.images is None else self.images.placeholder
@@ -198,6 +215,7 @@ class Router:
         body = await self.parse(request, CompletionRequest)
         check_completion_limits(body, self.limits)
         info = await self.check_model(body.model)
+        self.refuse_early(request, bounded=True)
         prompt_ids = await self.tokenize(lambda b: self.prompts.completion_prompt_ids(b, info), body,
                                          len(body.prompt))
         job = Job(f"cmpl-{uuid.uuid4().hex}", body, prompt_ids, info, "prompt", chat=False)
@@ -247,10 +265,9 @@ class Router:
         return {"object": "list", "data": [card]}
 
     async def lane_stats(self) -> dict[str, dict[str, int]]:
-        """Per lane of this replica: requests queued, in flight, and admitted since start."""
-        return {name: {"queued": lane.queued, "in_flight": lane.in_flight,
-                       "admitted": lane.admitted}
-                for name, lane in self.lanes.lanes.items()}
+        """Per lane: requests queued, in flight, and admitted since start (the application's with
+        `router.lanes.scope: application` and several Router replicas, else this replica's)."""
+        return await self.lanes.stats()
 
     async def health(self) -> Response:
         checks = [self.lm.check_health.remote()]
@@ -294,7 +311,9 @@ class Router:
             generate = GenerateRequest(
                 job.request_id, job.prompt_ids, sampling, priority=slot.priority,
                 image_placeholder_id=self.image_placeholder_id if job.images.infos else None,
-                reasoning_ended=plan.reasoning_ended(job.prompt_ids) if plan else None)
+                reasoning_ended=plan.reasoning_ended(job.prompt_ids) if plan else None,
+                image_hashes=tuple(info.content_hash for info in job.images.infos),
+                cache_key=job.body.prompt_cache_key or job.body.user)
             job.image_embeds = await job.images.embeddings()
             if job.body.stream:
                 return await self.respond_stream(job, generate, slot, trace)
@@ -309,7 +328,7 @@ class Router:
         trace.finish(ok=True)
         return JSONResponse(body)
 
-    async def respond_stream(self, job: Job, generate: GenerateRequest, slot: Slot,
+    async def respond_stream(self, job: Job, generate: GenerateRequest, slot,
                              trace: RequestTrace) -> Response:
         deltas = self.deltas(generate, trace, job.image_embeds)
         # Wait for the first delta before sending headers, so a failure before any token (LM
@@ -393,6 +412,16 @@ class Router:
                 stream.cancel()
 
 
+def template_tokens(prompts: PromptBuilder) -> int | None:
+    """The chat template's tokens around one empty user turn (its default system prompt too),
+    plus a margin: with a body's bytes, a bound on a text prompt's tokens before tokenizing.
+    None when the template will not render that."""
+    try:
+        return len(prompts.chat_prompt_ids([ChatMessage(role="user", content="")])) + 8
+    except Exception:  # noqa: BLE001 - no bound: nothing is refused early
+        return None
+
+
 def watch_call(call, outputs: RequestOutputs) -> None:
     """End `outputs` with the call's failure; a call that succeeds but whose last delta never
     arrives (its connection dropped before any delta) ends them after `CHANNEL_GRACE_S`."""
@@ -444,7 +473,7 @@ class SlotStreamingResponse(StreamingResponse):
     """A stream that releases its lane slot when it ends, however it ends (done, error, client
     gone): Starlette always awaits the response object the endpoint returned."""
 
-    def __init__(self, slot: Slot, trace: RequestTrace, content, **kwargs):
+    def __init__(self, slot, trace: RequestTrace, content, **kwargs):
         super().__init__(content, **kwargs)
         self.slot = slot
         self.trace = trace

@@ -69,7 +69,9 @@ class DeploymentOptions(StrictModel):
     num_cpus: float = Field(0.0, ge=0)
     health_check_period_s: PositiveFloat = 5.0
     health_check_timeout_s: PositiveFloat = 30.0
-    graceful_shutdown_timeout_s: PositiveFloat = 20.0
+    # How long a replica being scaled down or replaced may finish its requests. None: the app's
+    # `drain` bound for the Router, LanguageModel and DraftService, Serve's 20 s for the others.
+    graceful_shutdown_timeout_s: PositiveFloat | None = None
 
     @model_validator(mode="after")
     def _one_way_to_size(self) -> DeploymentOptions:
@@ -84,15 +86,17 @@ class DeploymentOptions(StrictModel):
         return self.num_replicas if self.autoscaling is None else \
             max(1, self.autoscaling.min_replicas)
 
-    def serve_options(self) -> dict:
+    def serve_options(self, drain_s: float | None = None) -> dict:
+        """Serve's deployment options; `drain_s` is the graceful shutdown unless this sets one."""
         replicas = {"num_replicas": self.num_replicas} if self.autoscaling is None else \
             {"autoscaling_config": self.autoscaling.model_dump()}
+        graceful = self.graceful_shutdown_timeout_s or drain_s
         return {
             **replicas,
             "max_ongoing_requests": self.max_ongoing_requests,
             "health_check_period_s": self.health_check_period_s,
             "health_check_timeout_s": self.health_check_timeout_s,
-            "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s,
+            **({"graceful_shutdown_timeout_s": graceful} if graceful else {}),
         }
 
 
@@ -222,11 +226,40 @@ class ChatConfig(StrictModel):
     reasoning: ReasoningConfig = ReasoningConfig()
 
 
+class RoutingConfig(StrictModel):
+    """How callers pick a LanguageModel replica (matters with more than one).
+
+    `prefix_affinity` (pipeline/router/prefix_affinity.py, Serve's request-router API): the least
+    loaded of the replicas that were sent the longest prefix of the prompt (token-id blocks of
+    `block_tokens`, images by content hash), else the one the request's `prompt_cache_key` (or
+    `user`) hashes to, while its queue is at most `imbalance_threshold` longer than the lightest
+    replica's; else power of two choices. `power_of_two`: Serve's default router.
+    """
+
+    policy: Literal["prefix_affinity", "power_of_two"] = "prefix_affinity"
+    block_tokens: PositiveInt = 64
+    imbalance_threshold: int = Field(4, ge=0)
+    # Prefix keys remembered per caller (each Router replica; ~200 bytes each), least recently
+    # used dropped: 100,000 keys of 64 tokens cover 6.4M tokens of distinct prefixes.
+    max_keys: PositiveInt = 100_000
+
+    def request_router_config(self) -> dict | None:
+        """Serve's `request_router_config` for the LanguageModel deployment (None: Serve's)."""
+        if self.policy == "power_of_two":
+            return None
+        return {"request_router_class":
+                "moonserve.pipeline.router.prefix_affinity.PrefixAffinityRouter",
+                "request_router_kwargs": {"block_tokens": self.block_tokens,
+                                          "imbalance_threshold": self.imbalance_threshold,
+                                          "max_keys": self.max_keys}}
+
+
 class LanguageModelConfig(StrictModel):
     engine: EngineConfig = EngineConfig()
     chat: ChatConfig = ChatConfig()
     placement: PlacementConfig = PlacementConfig()
     deployment: DeploymentOptions = DeploymentOptions()
+    routing: RoutingConfig = RoutingConfig()
     # Environment for the replica and its vLLM processes (e.g. VLLM_CPU_OMP_THREADS_BIND).
     env: dict[str, str] = Field(default_factory=dict)
 
@@ -301,7 +334,8 @@ class RateLimitsConfig(StrictModel):
 
 
 class LaneLimits(StrictModel):
-    """One lane's admission limits toward the LanguageModel (per Router replica)."""
+    """One lane's admission limits toward the LanguageModel (for the application, or per Router
+    replica: `LanesConfig.scope`)."""
 
     # Requests of this lane generating at once; the rest wait in the lane's queue.
     max_in_flight: PositiveInt
@@ -321,9 +355,15 @@ class LanesConfig(StrictModel):
     short request to `long_context` (a batch job that should not compete with chat); asking for
     `interactive` with a long prompt is a 400. With `enabled: false` every request goes through
     the single `fifo` lane in arrival order (the benchmark's baseline).
+
+    `scope: application` holds each lane's limits for the whole application: with more than one
+    Router replica (`router.deployment`), they admit through one `LaneAdmission` replica
+    (pipeline/api/admission.py), one call per request; with one, its own lanes are the
+    application's. `scope: replica` gives every Router replica the limits for itself.
     """
 
     enabled: bool = True
+    scope: Literal["application", "replica"] = "application"
     long_context_threshold_tokens: PositiveInt = 2048
     hint_header: str = "x-moonserve-lane"
     # Status of a rejection when a lane's queue is full: 429 (client backs off) or 503.
@@ -347,6 +387,10 @@ class LanesConfig(StrictModel):
 
     def max_in_flight(self) -> int:
         return sum(lane.max_in_flight for lane in self.active().values())
+
+    def copies(self, router_replicas: int) -> int:
+        """How many times over the limits admit with this many Router replicas."""
+        return 1 if self.scope == "application" else router_replicas
 
 
 class ImagePreprocessorConfig(StrictModel):
@@ -526,6 +570,22 @@ class RouterConfig(StrictModel):
         return self
 
 
+class DrainConfig(StrictModel):
+    """How long a Router, LanguageModel or DraftService replica that is scaled down or replaced
+    may take to finish what it admitted (Serve's `graceful_shutdown_timeout_s` for them, unless
+    their `deployment` sets one). Serve sends it no new requests and stops it as soon as its
+    last request ends, so a long bound costs nothing when requests are short.
+
+    The bound is the slowest admitted request: the longest lane queue timeout, then the largest
+    `max_tokens` (`router.limits.max_tokens`, else the context length) at `min_tokens_per_s`;
+    at most `max_s`.
+    """
+
+    # The slowest decode a stream may have and still finish during a drain.
+    min_tokens_per_s: PositiveFloat = 4.0
+    max_s: PositiveFloat = 3600.0
+
+
 class AppConfig(StrictModel):
     """`args` of the moonserve application in a Ray Serve config file."""
 
@@ -534,12 +594,33 @@ class AppConfig(StrictModel):
     # None: text only (image parts are a 400).
     vision: VisionConfig | None = None
     draft: DraftConfig = DraftConfig()
+    drain: DrainConfig = DrainConfig()
+
+    def autoscaled(self) -> list[str]:
+        """The dotted names of the `autoscaling` sections set in this app."""
+        deployments = {"router.deployment": self.router.deployment,
+                       "language_model.deployment": self.language_model.deployment,
+                       "draft.deployment": self.draft.deployment}
+        if self.vision is not None:
+            deployments["vision.preprocessor.deployment"] = self.vision.preprocessor.deployment
+            deployments["vision.encoder.deployment"] = self.vision.encoder.deployment
+        return [f"{name}.autoscaling" for name, options in deployments.items()
+                if options.autoscaling is not None]
+
+    def drain_s(self) -> float:
+        """The graceful shutdown of the Router, LanguageModel and DraftService (`DrainConfig`)."""
+        queued = max(lane.queue_timeout_s for lane in self.router.lanes.active().values())
+        max_tokens = self.router.limits.max_tokens or self.language_model.engine.max_model_len
+        if max_tokens is None:
+            return self.drain.max_s
+        return min(self.drain.max_s, queued + max_tokens / self.drain.min_tokens_per_s)
 
     @model_validator(mode="after")
     def _language_model_takes_admitted(self) -> AppConfig:
         # Admitted requests must reach the engine at once; health checks need a little room too.
         lm = self.language_model.deployment
-        admitted = self.router.lanes.max_in_flight() * self.router.deployment.max_replicas()
+        admitted = self.router.lanes.max_in_flight() * self.router.lanes.copies(
+            self.router.deployment.max_replicas())
         if lm.max_ongoing_requests * lm.min_replicas() < admitted + 1:
             raise ValueError(
                 f"language_model.deployment.max_ongoing_requests x (min) replicas "

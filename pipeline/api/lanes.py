@@ -76,6 +76,11 @@ class Lane:
     def queued(self) -> int:
         return sum(1 for w in self.waiters if not w.done())
 
+    @property
+    def full(self) -> bool:
+        """A request arriving now would be refused."""
+        return self.in_flight >= self.limits.max_in_flight and self.queued >= self.limits.max_queue
+
     async def admit(self) -> Slot:
         began = time.monotonic()
         if self.in_flight < self.limits.max_in_flight and not self.queued:
@@ -104,6 +109,13 @@ class Lane:
         except asyncio.CancelledError:  # the client went away while queued
             self.leave_queue(waiter)
             raise
+
+    def adopt(self) -> Slot:
+        """Count a slot granted before this lane existed (an admission replica restarted and a
+        Router still holds it); may go over `max_in_flight` until such slots are released."""
+        self.in_flight += 1
+        self.report()
+        return Slot(self, 0.0)
 
     def leave_queue(self, waiter: asyncio.Future) -> None:
         """Called when a queued request gives up; a slot handed to it meanwhile is passed on."""
@@ -153,9 +165,9 @@ class Lanes:
 
     def __init__(self, config: LanesConfig, observer: LaneObserver | None = None):
         self.config = config
-        rejection = Rejection(config.reject_status, config.retry_after_s)
+        self.rejection = Rejection(config.reject_status, config.retry_after_s)
         observer = observer or NoObserver()
-        self.lanes = {name: Lane(name, limits, rejection, observer)
+        self.lanes = {name: Lane(name, limits, self.rejection, observer)
                       for name, limits in config.active().items()}
         for lane in self.lanes.values():
             lane.report()
@@ -184,3 +196,39 @@ class Lanes:
 
     async def admit(self, lane: str) -> Slot:
         return await self.lanes[lane].admit()
+
+    def refuse_early(self, hint: str | None, max_prompt_tokens: int | None) -> None:
+        """Before a request is tokenized or its images touched: the lane's refusal when every
+        lane it may land in is full. `max_prompt_tokens` bounds its prompt (None: unknown, e.g.
+        images); an invalid hint is left to `classify`."""
+        lane = full_for(self.config, hint, max_prompt_tokens, lambda name: self.lanes[name].full)
+        if lane is not None:
+            self.lanes[lane].observer.lane_event(lane, "rejected")
+            raise self.rejection.queue_full(lane, self.config.active()[lane])
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """Per lane: requests queued, in flight, and admitted since start."""
+        return {name: {"queued": lane.queued, "in_flight": lane.in_flight,
+                       "admitted": lane.admitted}
+                for name, lane in self.lanes.items()}
+
+    async def stats(self) -> dict[str, dict[str, int]]:
+        return self.counts()
+
+
+def full_for(config: LanesConfig, hint: str | None, max_prompt_tokens: int | None,
+             is_full) -> str | None:
+    """The lane to refuse a request with when every lane it may land in is full (`is_full(name)`),
+    else None."""
+    if not config.enabled:
+        names = ["fifo"]
+    elif hint == "long_context":
+        names = ["long_context"]
+    elif hint not in (None, "interactive"):
+        return None
+    elif max_prompt_tokens is not None and \
+            max_prompt_tokens < config.long_context_threshold_tokens:
+        names = ["interactive"]
+    else:
+        names = ["interactive", "long_context"]
+    return names[0] if all(is_full(name) for name in names) else None

@@ -241,6 +241,9 @@ class SamplingFields(RequestModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
+    # OpenAI's hint that requests sharing it share a prefix: they go to the same LanguageModel
+    # replica while its load allows (`language_model.routing`); `user` serves when it is unset.
+    prompt_cache_key: StrictStr | None = None
     # vLLM's sampling extensions, with the ranges vLLM's SamplingParams accepts.
     top_k: int | None = Field(None, ge=-1)  # 0 or -1: off
     min_p: float | None = Field(None, ge=0, le=1)
@@ -506,6 +509,10 @@ class GenerateRequest:
     # vLLM's `reasoning_ended` for structured outputs (True: constrain from the first token;
     # None: the engine's reasoning parser decides from the prompt).
     reasoning_ended: bool | None = None
+    # For routing to the replica that holds the prompt's prefix (pipeline/router/prefix_affinity):
+    # each image's content hash, in prompt order, and the client's `prompt_cache_key` (or `user`).
+    image_hashes: tuple[str, ...] = ()
+    cache_key: str | None = None
 
 
 @dataclass(frozen=True)

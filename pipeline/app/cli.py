@@ -8,6 +8,8 @@
     moonserve bench reliability [--out FILE]  # 5x overload: sent/completed/rejected/lost; recovery
     moonserve bench speculative [--out FILE]  # decode tok/s: no spec, vLLM ngram, DraftService arms
     moonserve bench tools [--out FILE]     # BFCL tool calling: AST accuracy, schema validity, vs vLLM
+    moonserve bench admission [--out FILE]  # latency of application-wide lanes vs a replica's own
+    moonserve bench routing [--out FILE]   # two LM replicas: prefix-affinity vs Serve's router
     moonserve plan [--json]                # capacity of Kimi K3.1 Pro + DSpark on 8x MI355X
     moonserve plan --checkpoint PATH       # ... with the weights measured in a checkpoint
     moonserve check-checkpoint PATH [--json] [--tp 8]  # preflight a checkpoint from its headers
@@ -66,7 +68,8 @@ def bench_module(name: str):
 
 BENCHMARKS = {"overhead": bench_module("overhead"), "lanes": bench_module("lanes"),
               "vision": bench_module("vision"), "reliability": bench_module("reliability"),
-              "speculative": bench_module("speculative"), "tools": bench_module("tools")}
+              "speculative": bench_module("speculative"), "tools": bench_module("tools"),
+              "admission": bench_module("admission"), "routing": bench_module("routing")}
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

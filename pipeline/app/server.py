@@ -38,6 +38,9 @@ class AppSpec:
     name: str
     route_prefix: str
     config: AppConfig
+    # Ray Serve's field: replicas set from outside (the dashboard's `.../scale` REST call), each
+    # deployment scaled in place without replacing the others; no `autoscaling` in the app.
+    external_scaler_enabled: bool = False
 
 
 def read_apps(path: Path) -> tuple[dict, list[AppSpec]]:
@@ -50,8 +53,14 @@ def read_apps(path: Path) -> tuple[dict, list[AppSpec]]:
                 f"{path}: applications[{i}].deployments: moonserve takes deployment options from "
                 "`args` (router.deployment, language_model.deployment); remove this block"
             )
-        apps.append(AppSpec(app.get("name", "default"), app.get("route_prefix", "/"),
-                            AppConfig.model_validate(app.get("args") or {})))
+        config = AppConfig.model_validate(app.get("args") or {})
+        external = bool(app.get("external_scaler_enabled", False))
+        if external and (scaled := config.autoscaled()):
+            raise ValueError(
+                f"{path}: applications[{i}].external_scaler_enabled: Serve's autoscaling cannot "
+                f"run beside an external scaler; set num_replicas instead of {', '.join(scaled)}")
+        apps.append(AppSpec(app.get("name", "default"), app.get("route_prefix", "/"), config,
+                            external))
     return data.get("http_options") or {}, apps
 
 
@@ -103,7 +112,8 @@ def deploy(options: ServeOptions, http: dict, apps: list[AppSpec]) -> tuple[str,
     port = options.port or int(http.get("port", 8000))
     serve.start(http_options={"host": host, "port": port})
     for app in apps:
-        serve.run(build_app(app.config), name=app.name, route_prefix=app.route_prefix)
+        serve.run(build_app(app.config), name=app.name, route_prefix=app.route_prefix,
+                  external_scaler_enabled=app.external_scaler_enabled)
     return host, port
 
 

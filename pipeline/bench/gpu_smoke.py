@@ -171,7 +171,7 @@ def smoke_app_args(production: dict, k3_dir: Path, dspark_dir: Path,
     args = copy.deepcopy(production)
     router = args.setdefault("router", {})
     router["auth"] = {"enabled": True, "api_keys": [API_KEY]}
-    router["deployment"] = {"num_cpus": 1, "max_ongoing_requests": 512}
+    router["deployment"] = {"num_cpus": 1, "max_ongoing_requests": 1024}
     lm = args.setdefault("language_model", {})
     lm.setdefault("engine", {}).update(
         model=str(k3_dir), served_model_name=SERVED_NAME, max_model_len=MAX_MODEL_LEN,

@@ -50,6 +50,16 @@ class RunningServer:
         LanguageModel (no second engine). Yields its base URL."""
         from ray import serve
 
+        self.deploy_router(name, **router_args)
+        try:
+            yield f"{self.base_url}/{name}"
+        finally:
+            serve.delete(name)
+
+    def deploy_router(self, name: str, **router_args) -> None:
+        """Deploy (or redeploy) the Router app `name` as `router_app` does; returns once it runs."""
+        from ray import serve
+
         from moonserve.deployments.builder import bind_router, resolve_model_path
         from moonserve.pipeline.config import AppConfig
 
@@ -58,12 +68,8 @@ class RunningServer:
         config = AppConfig.model_validate(args)
         lm_handle = self.lm_handle()
         app = bind_router(config.router, lm_handle, resolve_model_path(config.language_model),
-                          chat=config.language_model.chat)
+                          chat=config.language_model.chat, drain_s=config.drain_s())
         serve.run(app, name=name, route_prefix=f"/{name}")
-        try:
-            yield f"{self.base_url}/{name}"
-        finally:
-            serve.delete(name)
 
 
 @pytest.fixture(scope="session")

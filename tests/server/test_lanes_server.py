@@ -1,7 +1,9 @@
 """Lanes on the running cluster: a Router with tiny lanes bound to the session's LanguageModel.
 
 One request holds the only interactive slot while others queue, get rejected (429 +
-Retry-After), time out (503), or disconnect; the holder's stream must come through whole.
+Retry-After), time out (503), or disconnect; the holder's stream must come through whole. With
+two Router replicas the same limits hold for the application (one LaneAdmission replica), and a
+Router replica that dies holding a slot loses it after its lease.
 """
 
 from __future__ import annotations
@@ -34,6 +36,16 @@ def tiny(server):
         yield url, serve.get_deployment_handle("Router", app_name="tiny")
 
 
+@pytest.fixture(scope="module")
+def shared(server):
+    """Two Router replicas with the tiny lanes held for the application."""
+    with server.router_app("shared", lanes=TINY_LANES,
+                           deployment={"num_replicas": 2, "max_ongoing_requests": 16}) as url:
+        from ray import serve
+
+        yield url, serve.get_deployment_handle("LaneAdmission", app_name="shared")
+
+
 def chat(content="Count to fifty.", max_tokens=4, **fields) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": content}],
             "max_tokens": max_tokens, "temperature": 0, **fields}
@@ -53,12 +65,14 @@ async def wait_for(handle, predicate, timeout_s=20.0) -> dict:
     raise AssertionError(f"lanes never reached the state; last: {stats}")
 
 
-async def hold_slot(http: httpx.AsyncClient, url: str) -> tuple[int, int]:
-    """A long stream that holds the interactive slot; returns (status, completion tokens)."""
-    body = chat(max_tokens=HOLD_TOKENS, ignore_eos=True, stream=True,
+async def hold_slot(http: httpx.AsyncClient, url: str, max_tokens: int = HOLD_TOKENS,
+                    lane: str = "interactive") -> tuple[int, int]:
+    """A long stream that holds a slot of `lane`; returns (status, completion tokens)."""
+    body = chat(max_tokens=max_tokens, ignore_eos=True, stream=True,
                 stream_options={"include_usage": True})
     tokens = 0
-    async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+    async with http.stream("POST", f"{url}/v1/chat/completions", json=body,
+                           headers={"x-moonserve-lane": lane}) as r:
         async for line in r.aiter_lines():
             if line.startswith("data: {") and (usage := json.loads(line[6:]).get("usage")):
                 tokens = usage["completion_tokens"]
@@ -115,3 +129,56 @@ def test_long_prompt_goes_to_long_context_and_hint_rules(tiny):
     assert after["long_context"]["admitted"] - before["long_context"]["admitted"] == 2
     assert after["interactive"]["admitted"] == before["interactive"]["admitted"]
     assert all((s["queued"], s["in_flight"]) == (0, 0) for s in after.values())
+
+
+async def reach_every_router_replica(http: httpx.AsyncClient, url: str, admission) -> None:
+    """Send small requests until both Router replicas have admitted through the book."""
+    for _ in range(20):
+        await asyncio.gather(*(http.post(f"{url}/v1/chat/completions", json=chat(max_tokens=1))
+                               for _ in range(4)))
+        if (await admission.holders.remote())["holders"] == 2:
+            return
+    raise AssertionError("the proxy never sent requests to both Router replicas")
+
+
+async def test_lanes_hold_for_the_application_across_router_replicas(shared):
+    url, admission = shared
+    async with httpx.AsyncClient(timeout=120) as http:
+        await reach_every_router_replica(http, url, admission)
+        before = (await admission.lane_stats.remote())["long_context"]["admitted"]
+        # Six at once into a lane of 1 in flight + 1 queued: per Router replica that would admit
+        # up to four; for the application, two.
+        results = await asyncio.gather(*(hold_slot(http, url, 40, "long_context")
+                                         for _ in range(6)))
+    assert sorted(results) == [(200, 40), (200, 40)] + [(429, 0)] * 4
+    stats = (await admission.lane_stats.remote())["long_context"]
+    assert stats["admitted"] - before == 2 and (stats["queued"], stats["in_flight"]) == (0, 0)
+
+
+async def test_a_dead_router_replicas_slot_is_freed_after_its_lease(shared):
+    import ray
+
+    url, admission = shared
+    async with httpx.AsyncClient(timeout=120) as http:
+        holder = asyncio.create_task(hold_slot(http, url, HOLD_TOKENS, "long_context"))
+        await wait_for(admission, lambda s: s["long_context"]["in_flight"] == 1)
+        for actor in ray.util.list_named_actors(all_namespaces=True):
+            if actor["name"].startswith("SERVE_REPLICA::shared#Router#"):
+                ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
+        # The book counts the slot until the dead holder's lease runs out, then frees it.
+        assert (await admission.lane_stats.remote())["long_context"]["in_flight"] == 1
+        await wait_for(admission, lambda s: s["long_context"]["in_flight"] == 0, timeout_s=40)
+        assert (await admission.holders.remote())["reclaimed"] >= 1
+        try:
+            _, tokens = await holder
+        except httpx.HTTPError:  # the connection dropped with its Router
+            tokens = 0
+        assert tokens < HOLD_TOKENS
+        deadline = time.monotonic() + 120
+        while True:  # the replacement Router replicas come up
+            r = await http.post(f"{url}/v1/chat/completions", json=chat(),
+                                headers={"x-moonserve-lane": "long_context"})
+            if r.status_code != 503 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(1)
+        assert r.status_code == 200, r.text

@@ -83,6 +83,22 @@ def test_serve_rejects_ray_deployment_overrides(tmp_path):
         read_apps(path)
 
 
+def test_an_external_scaler_app_has_no_autoscaling(tmp_path):
+    data = yaml.safe_load(LOCAL_CONFIG.read_text())
+    data["applications"][0]["external_scaler_enabled"] = True
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    # configs/local.yaml autoscales the ImagePreprocessor.
+    with pytest.raises(ValueError, match=r"external_scaler_enabled: .* set num_replicas instead "
+                                         r"of vision.preprocessor.deployment.autoscaling"):
+        read_apps(path)
+    data["applications"][0]["args"]["vision"]["preprocessor"]["deployment"] = \
+        {"num_replicas": 2, "max_ongoing_requests": 32}
+    path.write_text(yaml.safe_dump(data))
+    (app,) = read_apps(path)[1]
+    assert app.external_scaler_enabled and app.config.autoscaled() == []
+
+
 def test_builder_binds_router_and_language_model_from_config():
     """The app graph and resources come from the typed config (no Ray started)."""
     from moonserve.deployments.builder import language_model_options, router_options
@@ -93,6 +109,28 @@ def test_builder_binds_router_and_language_model_from_config():
     assert lm["placement_group_strategy"] == "STRICT_PACK"
     assert lm["ray_actor_options"]["runtime_env"]["env_vars"]["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
     assert router_options(cfg.router)["max_ongoing_requests"] == 256
+
+
+def test_drains_are_sized_from_the_lanes_and_max_tokens():
+    """What Serve is given as each deployment's graceful shutdown (the bound graph's config)."""
+    from moonserve.deployments.builder import build_app
+    from tests.unit.test_production_config import deployments_of
+
+    cfg = load_app_config(LOCAL_CONFIG)
+    # The long_context lane's 300 s queue, then 4096 tokens (the context) at 4 tokens/s.
+    assert cfg.drain_s() == 300 + 4096 / 4
+    graph = deployments_of(build_app(cfg))
+    graceful = {name: d._deployment_config.graceful_shutdown_timeout_s
+                for name, d in graph.items()}
+    assert graceful == {"Router": 1324, "LanguageModel": 1324, "DraftService": 1324,
+                        "ImagePreprocessor": 20, "VisionEncoder": 20}
+    capped = cfg.model_copy(update={"router": cfg.router.model_copy(update={
+        "limits": cfg.router.limits.model_copy(update={"max_tokens": 400})})})
+    assert capped.drain_s() == 300 + 400 / 4
+    own = AppConfig.model_validate({"router": {"auth": {"enabled": False}, "deployment": {
+        "graceful_shutdown_timeout_s": 5, "max_ongoing_requests": 256}}})
+    assert deployments_of(build_app(own))["Router"]._deployment_config \
+        .graceful_shutdown_timeout_s == 5
 
 
 def test_serve_run_path_builds_the_app_from_the_yaml():
@@ -116,6 +154,11 @@ def test_serve_run_path_builds_the_app_from_the_yaml():
      "max_ongoing_requests (50) is below what the lanes hold (in flight + queued = 216)"),
     ({"language_model": {"deployment": {"max_ongoing_requests": 20}}},
      "must exceed the requests the router lanes admit (56)"),
+    # Two Router replicas with per-replica lanes admit twice the lanes' numbers.
+    ({"router": {"lanes": {"scope": "replica"},
+                 "deployment": {"num_replicas": 2, "max_ongoing_requests": 256}},
+      "language_model": {"deployment": {"max_ongoing_requests": 100}}},
+     "must exceed the requests the router lanes admit (112)"),
     ({"language_model": {"engine": {"scheduling_policy": "fcfs"}}},
      "scheduling_policy is not 'priority'"),
     ({"router": {"limits": {"max_tokens": 8, "default_max_tokens": 16}}},
@@ -152,6 +195,14 @@ def test_local_engine_runs_the_lane_scheduler_with_the_long_lane_as_background()
         cfg.router.lanes.long_context.priority
     fcfs = engine.model_copy(update={"scheduling_policy": "fcfs", "background_priority": None})
     assert fcfs.scheduler_cls() is None  # vLLM's own scheduler
+
+
+def test_application_lanes_admit_their_numbers_whatever_the_router_replicas():
+    cfg = AppConfig.model_validate({"router": {"deployment": {"num_replicas": 4,
+                                                              "max_ongoing_requests": 256}},
+                                    "language_model": {"deployment": {"max_ongoing_requests": 57}}})
+    assert cfg.router.lanes.scope == "application"
+    assert cfg.router.lanes.copies(cfg.router.deployment.max_replicas()) == 1
 
 
 def test_lanes_off_needs_no_priority_scheduling():

@@ -179,3 +179,47 @@ async def test_churn_never_exceeds_limits_and_leaks_nothing():
     assert sum(outcomes.values()) == 600
     assert peak == 3 and outcomes["done"] > 0 and outcomes["rejected"] > 0
     assert (lane.in_flight, lane.queued, len(lane.waiters)) == (0, 0, 0)
+
+
+async def fill(lanes: Lanes, lane: str) -> list[asyncio.Task]:
+    """Every slot of `lane` taken and its queue full; returns the queued requests."""
+    limits = lanes.config.active()[lane]
+    for _ in range(limits.max_in_flight):
+        await lanes.admit(lane)
+    queued = [asyncio.get_running_loop().create_task(lanes.admit(lane))
+              for _ in range(limits.max_queue)]
+    await asyncio.sleep(0)
+    assert lanes.lanes[lane].full
+    return queued
+
+
+@pytest.mark.parametrize("hint, max_tokens, refused", [
+    (None, 50, "interactive"),         # surely short: interactive only, and it is full
+    (None, 500, None),                 # may be long: long_context has room
+    (None, None, None),                # unknown (images): the same
+    ("long_context", 50, None),        # hinted to the lane with room
+    ("express", 50, None),             # an invalid hint is classify's 400, later
+])
+async def test_refuse_early_only_when_every_possible_lane_is_full(hint, max_tokens, refused):
+    recorder = Recorder()
+    lanes = Lanes(lanes_config(), observer=recorder)
+    queued = await fill(lanes, "interactive")
+    if refused is None:
+        lanes.refuse_early(hint, max_tokens)
+    else:
+        with pytest.raises(APIError) as err:
+            lanes.refuse_early(hint, max_tokens)
+        assert err.value.status == 429 and err.value.code == "lane_full"
+        assert recorder.events[-1] == (refused, "rejected")
+    for task in queued:
+        task.cancel()
+
+
+async def test_refuse_early_with_both_lanes_full_whatever_the_size():
+    lanes = Lanes(lanes_config())
+    queued = await fill(lanes, "interactive") + await fill(lanes, "long_context")
+    for hint, max_tokens in ((None, None), (None, 500), ("long_context", 5)):
+        with pytest.raises(APIError):
+            lanes.refuse_early(hint, max_tokens)
+    for task in queued:
+        task.cancel()

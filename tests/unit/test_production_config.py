@@ -60,9 +60,15 @@ def test_production_config_validates_with_the_production_engine():
     assert cfg.router.auth.enabled and cfg.vision is not None
 
 
-def test_graph_has_the_four_deployments(graph):
-    assert set(graph) == {"Router", "LanguageModel", "ImagePreprocessor", "VisionEncoder"}
-    # draft.mode inline: no DraftService deployment
+def test_graph_has_the_four_deployments_and_the_lane_admission(graph):
+    # draft.mode inline: no DraftService deployment. Up to 4 Router replicas share the lanes.
+    assert set(graph) == {"Router", "LanguageModel", "ImagePreprocessor", "VisionEncoder",
+                          "LaneAdmission"}
+    admission = graph["LaneAdmission"]
+    assert admission._deployment_config.num_replicas == 1
+    cfg = load_app_config(PRODUCTION)
+    # Admitted for the whole application = what one engine batches.
+    assert cfg.router.lanes.max_in_flight() == cfg.language_model.engine.max_num_seqs
 
 
 def test_language_model_takes_a_whole_node_of_eight_gpus(graph):

@@ -496,6 +496,31 @@ async def test_full_lane_queue_is_429_with_retry_after(model_path, lm, lm_handle
                                                          "admitted": 1}
 
 
+async def test_a_full_app_refuses_before_tokenizing_or_touching_images(
+        model_path, lm, lm_handle, preprocessor, encoder_handle, monkeypatch):
+    lanes = LanesConfig(enabled=False, fifo=LaneLimits(max_in_flight=1, max_queue=0))
+    images = FakeDeploymentHandle(preprocessor)
+    router = Router(RouterConfig(lanes=lanes), lm_handle, model_path, vision=VisionConfig(),
+                    preprocessor=images, encoder=encoder_handle)
+    tokenized = []
+    render = router.prompts.chat_prompt_ids
+    monkeypatch.setattr(router.prompts, "chat_prompt_ids",
+                        lambda *a, **k: tokenized.append(1) or render(*a, **k))
+    lm.hold_after = 0  # the first request holds the only slot
+    async with serving(router) as client:
+        first = asyncio.create_task(client.post("/v1/chat/completions", json=chat()))
+        await asyncio.wait_for(lm.started.wait(), 10)
+        assert len(tokenized) == 1 and not images.calls
+        for body in (chat(), image_chat(PNG_URL)):
+            assert_error(await client.post("/v1/chat/completions", json=body), 429, None,
+                         "lane_full")
+        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
+        assert_error(r, 429, None, "lane_full")
+        assert len(tokenized) == 1 and not images.calls  # no work for the refused
+        lm.gate.set()
+        assert (await first).status_code == 200
+
+
 async def test_unknown_lane_hint_is_400_naming_the_header(text_client):
     r = await text_client.post("/v1/chat/completions", json=chat(),
                                headers={"x-moonserve-lane": "express"})
