@@ -16,8 +16,6 @@ from moonserve.pipeline.router.prefix_affinity import (
     rendezvous,
 )
 
-pytestmark = pytest.mark.asyncio
-
 PAD = 7  # the image placeholder token in these prompts
 SYSTEM = list(range(100, 116))  # 4 blocks of 4
 
