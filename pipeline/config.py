@@ -346,6 +346,10 @@ class LaneLimits(StrictModel):
     # vLLM request priority (lower is scheduled first; needs engine.scheduling_policy: priority).
     priority: int = 0
 
+    def refuses(self, in_flight: int, queued: int) -> bool:
+        """A request arriving at a lane with these counts is refused at once."""
+        return in_flight >= self.max_in_flight and queued >= self.max_queue
+
 
 class LanesConfig(StrictModel):
     """Admission at the Router: `interactive` and `long_context` lanes, or one FIFO lane.

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from moonserve.pipeline.api.errors import APIError
-from moonserve.pipeline.api.lanes import LaneObserver, Lanes, Slot, full_for
+from moonserve.pipeline.api.lanes import LaneObserver, Lanes, Slot
 from moonserve.pipeline.config import LanesConfig
 
 logger = logging.getLogger("moonserve.admission")
@@ -164,10 +164,6 @@ class SharedLanes:
         # (when, the application's lane counts) from the last heartbeat
         self.counted: tuple[float, dict] | None = None
 
-    @property
-    def lanes(self):
-        return self.local.lanes
-
     def classify(self, num_prompt_tokens: int, hint: str | None) -> str:
         return self.local.classify(num_prompt_tokens, hint)
 
@@ -177,15 +173,8 @@ class SharedLanes:
         if self.counted is None or time.monotonic() - self.counted[0] > 2 * HEARTBEAT_S:
             return
         counts, limits = self.counted[1], self.config.active()
-
-        def is_full(name: str) -> bool:
-            return counts[name]["in_flight"] >= limits[name].max_in_flight and \
-                counts[name]["queued"] >= limits[name].max_queue
-
-        lane = full_for(self.config, hint, max_prompt_tokens, is_full)
-        if lane is not None:
-            self.local.lanes[lane].observer.lane_event(lane, "rejected")
-            raise self.local.rejection.queue_full(lane, limits[lane])
+        self.local.refuse_early(hint, max_prompt_tokens, lambda name: limits[name].refuses(
+            counts[name]["in_flight"], counts[name]["queued"]))
 
     async def admit(self, lane: str) -> SharedSlot | Slot:
         self.start_heartbeat()

@@ -79,7 +79,7 @@ class Lane:
     @property
     def full(self) -> bool:
         """A request arriving now would be refused."""
-        return self.in_flight >= self.limits.max_in_flight and self.queued >= self.limits.max_queue
+        return self.limits.refuses(self.in_flight, self.queued)
 
     async def admit(self) -> Slot:
         began = time.monotonic()
@@ -197,11 +197,14 @@ class Lanes:
     async def admit(self, lane: str) -> Slot:
         return await self.lanes[lane].admit()
 
-    def refuse_early(self, hint: str | None, max_prompt_tokens: int | None) -> None:
+    def refuse_early(self, hint: str | None, max_prompt_tokens: int | None,
+                     is_full=None) -> None:
         """Before a request is tokenized or its images touched: the lane's refusal when every
-        lane it may land in is full. `max_prompt_tokens` bounds its prompt (None: unknown, e.g.
-        images); an invalid hint is left to `classify`."""
-        lane = full_for(self.config, hint, max_prompt_tokens, lambda name: self.lanes[name].full)
+        lane it may land in is full (by `is_full(name)`, default these lanes' own counts).
+        `max_prompt_tokens` bounds its prompt (None: unknown, e.g. images); an invalid hint is
+        left to `classify`."""
+        lane = full_for(self.config, hint, max_prompt_tokens,
+                        is_full or (lambda name: self.lanes[name].full))
         if lane is not None:
             self.lanes[lane].observer.lane_event(lane, "rejected")
             raise self.rejection.queue_full(lane, self.config.active()[lane])
