@@ -148,9 +148,10 @@ async def test_lanes_hold_for_the_application_across_router_replicas(shared):
         before = (await admission.lane_stats.remote())["long_context"]["admitted"]
         # Six at once into a lane of 1 in flight + 1 queued: per Router replica that would admit
         # up to four; for the application, two.
-        results = await asyncio.gather(*(hold_slot(http, url, 40, "long_context")
+        # Long enough (~10 s each) that all six arrive while the first still holds its slot.
+        results = await asyncio.gather(*(hold_slot(http, url, 160, "long_context")
                                          for _ in range(6)))
-    assert sorted(results) == [(200, 40), (200, 40)] + [(429, 0)] * 4
+    assert sorted(results) == [(200, 160), (200, 160)] + [(429, 0)] * 4
     stats = (await admission.lane_stats.remote())["long_context"]
     assert stats["admitted"] - before == 2 and (stats["queued"], stats["in_flight"]) == (0, 0)
 
