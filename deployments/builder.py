@@ -123,7 +123,8 @@ def resolve_encoder_path(config: VisionEncoderConfig, lm_path: str) -> str:
 
 def cpu_options(options: DeploymentOptions, num_gpus: float = 0.0,
                 drain_s: float | None = None) -> dict:
-    actor = {"num_cpus": options.num_cpus, **({"num_gpus": num_gpus} if num_gpus else {})}
+    actor = {"num_cpus": options.num_cpus, **({"num_gpus": num_gpus} if num_gpus else {}),
+             **({"resources": dict(options.resources)} if options.resources else {})}
     return {**options.serve_options(drain_s), "ray_actor_options": actor}
 
 
@@ -150,9 +151,11 @@ def resolve_draft_model_path(config: DraftConfig, lm_path: str) -> str:
 
 def bind_draft_service(config: DraftConfig, lm_path: str,
                        drain_s: float | None = None) -> Application:
+    router = config.request_router_config()
     return serve.deployment(
         DraftService, name="DraftService",
         **cpu_options(config.deployment, config.num_gpus, drain_s),
+        **({"request_router_config": router} if router else {}),
     ).bind(config, resolve_draft_model_path(config, lm_path), lm_path)
 
 

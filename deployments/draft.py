@@ -113,8 +113,10 @@ class DraftService:
         with self.lock:
             self.core.prefetch()
 
-    async def endpoint(self) -> dict:
-        """Where proposers send steps: `{"endpoint": "host:port", "token": secret}`."""
+    async def endpoint(self, shard: int | None = None) -> dict:
+        """Where proposers send steps: `{"endpoint": "host:port", "token": secret}`. `shard`
+        only steers the call to that shard's replica (`ShardRouter`); any replica serves any
+        request."""
         if self.evictor is None:
             self.evictor = asyncio.get_running_loop().create_task(self.evict_forever())
         return self.steps.endpoint()
@@ -125,7 +127,8 @@ class DraftService:
         await asyncio.to_thread(after)
         return reply
 
-    async def set_drafter(self, name: str, adaptive: bool | None = None) -> dict:
+    async def set_drafter(self, name: str, adaptive: bool | None = None,
+                          shard: int | None = None) -> dict:
         """Switch drafters (all sessions restart from the next step), and adaptive drafting on or
         off when `adaptive` is given (`draft.adaptive` otherwise); returns `stats()`."""
         policy = self.config.adaptive if adaptive is None else \
@@ -134,13 +137,14 @@ class DraftService:
         self.recent_rtt_s.clear()  # `stats()` round trips are the active drafter's
         return await self.stats()
 
-    async def set_deadline(self, deadline_ms: float | None) -> None:
+    async def set_deadline(self, deadline_ms: float | None, shard: int | None = None) -> None:
         """Tell the engines' proposers to wait up to `deadline_ms` per draft call from their next
         step on (None: back to `draft.deadline_ms`); for a drafter slower than the configured
         budget, e.g. the embedded DSpark drafter on CPU in tests and benchmarks."""
         self.core.deadline_ms = deadline_ms if deadline_ms is not None else self.config.deadline_ms
 
-    async def stats(self) -> dict:
+    async def stats(self, shard: int | None = None) -> dict:
+        """This replica's sessions and drafting counters (`shard`: that shard's replica)."""
         summary = await asyncio.to_thread(self._locked, self.core.summary)
         rtt_ms = [1000 * s for s in self.recent_rtt_s]
         if len(rtt_ms) >= 2:

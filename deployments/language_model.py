@@ -193,11 +193,12 @@ def add_to_ray_copy_list(environ, names) -> None:
 def export_draft_env(draft: DraftConfig, socket_path: str, environ=os.environ) -> None:
     """Name the DraftService endpoint to the proposer in every engine worker: the variables are
     set in this replica and added to the list vLLM's Ray executor copies to its TP workers."""
-    from moonserve.pipeline.engine.proposer import ENV_DEADLINE_MS, ENV_SOCKET
+    from moonserve.pipeline.engine.proposer import ENV_DEADLINE_MS, ENV_SHARDS, ENV_SOCKET
 
     environ[ENV_SOCKET] = socket_path
     environ[ENV_DEADLINE_MS] = str(draft.deadline_ms)
-    add_to_ray_copy_list(environ, (ENV_SOCKET, ENV_DEADLINE_MS))
+    environ[ENV_SHARDS] = str(draft.shards())
+    add_to_ray_copy_list(environ, (ENV_SOCKET, ENV_DEADLINE_MS, ENV_SHARDS))
 
 
 def start_draft_resolver(draft: DraftConfig, draft_service):
@@ -209,7 +210,7 @@ def start_draft_resolver(draft: DraftConfig, draft_service):
         raise ValueError("draft.mode is service but no DraftService handle was bound")
     from moonserve.pipeline.speculative.endpoint import EndpointResolver
 
-    resolver = EndpointResolver(draft_service, draft.service_timeout_s)
+    resolver = EndpointResolver(draft_service, draft.service_timeout_s, shards=draft.shards())
     resolver.start()
     export_draft_env(draft, resolver.path)
     return resolver

@@ -67,6 +67,10 @@ class DeploymentOptions(StrictModel):
     autoscaling: AutoscalingOptions | None = None
     max_ongoing_requests: PositiveInt = 64
     num_cpus: float = Field(0.0, ge=0)
+    # Ray custom resources each replica takes, which pin it to the nodes started with them
+    # (`ray start --resources '{"moonserve_head": 1}'`); the LanguageModel's go in its
+    # placement bundles instead.
+    resources: dict[str, PositiveFloat] = Field(default_factory=dict)
     health_check_period_s: PositiveFloat = 5.0
     health_check_timeout_s: PositiveFloat = 30.0
     # How long a replica being scaled down or replaced may finish its requests. None: the app's
@@ -275,6 +279,9 @@ class LanguageModelConfig(StrictModel):
                 f"placement.bundles has {len(self.placement.bundles)} bundle(s) but "
                 f"engine.tensor_parallel_size is {tp}: give one bundle per TP rank"
             )
+        if self.deployment.resources:
+            raise ValueError("deployment.resources: the LanguageModel replica runs in its "
+                             "placement group; put custom resources in placement.bundles[0]")
         return self
 
 
@@ -517,10 +524,22 @@ class DraftConfig(StrictModel):
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"draft.ngram_min ({self.ngram_min}) is over draft.ngram_max "
                              f"({self.ngram_max})")
-        if self.mode == "service" and self.deployment.max_replicas() != 1:
-            raise ValueError("draft.deployment: the DraftService keeps each request's context in "
-                             "its replica, so it runs exactly one replica (num_replicas: 1)")
+        if self.mode == "service" and self.deployment.autoscaling is not None:
+            raise ValueError("draft.deployment.autoscaling: each request's context lives in the "
+                             "replica its id is sharded to, over a fixed number of shards; set "
+                             "num_replicas")
         return self
+
+    def shards(self) -> int:
+        """How many DraftService replicas the proposers shard requests over (by request id)."""
+        return self.deployment.num_replicas
+
+    def request_router_config(self) -> dict | None:
+        """Serve's `request_router_config` for the DraftService: with several replicas, a call
+        naming a shard goes to that shard's replica (pipeline/speculative/shards.py)."""
+        if self.shards() == 1:
+            return None
+        return {"request_router_class": "moonserve.pipeline.router.draft_shards.ShardRouter"}
 
     def speculative_config(self) -> dict | None:
         """vLLM's `speculative_config` for this mode (None: off)."""

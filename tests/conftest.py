@@ -1,7 +1,8 @@
 """What every test directory shares: paths, the model name, and the markers applied at collection.
 
 - `server`: every test that uses the `server` fixture (tests/server/conftest.py), directly or
-  through other fixtures, needs the live app; `pytest -m "not server"` runs everything else.
+  through other fixtures, needs the live app, and so does every test in tests/cluster (its own
+  two-node cluster); `pytest -m "not server"` runs everything else.
 - `gpu`: skipped when there is no CUDA/ROCm device.
 - `destructive`: kills parts of the session server, so these run after everything else.
 """
@@ -17,11 +18,12 @@ from moonserve.pipeline.config import DEFAULT_CONFIG
 REPO = Path(__file__).resolve().parent.parent
 LOCAL_CONFIG = DEFAULT_CONFIG
 MODEL = "moonserve-embedded"  # the served model name in LOCAL_CONFIG
+CLUSTER_TESTS = REPO / "tests" / "cluster"
 
 
 def pytest_collection_modifyitems(session, config, items):
     for item in items:
-        if "server" in getattr(item, "fixturenames", ()):
+        if "server" in getattr(item, "fixturenames", ()) or CLUSTER_TESTS in item.path.parents:
             item.add_marker(pytest.mark.server)
     skip_gpu_tests_without_a_device(items)
     items.sort(key=lambda item: item.get_closest_marker("destructive") is not None)

@@ -44,7 +44,8 @@ class AppSpec:
 
 
 def read_apps(path: Path) -> tuple[dict, list[AppSpec]]:
-    """The config's `http_options` and its validated applications."""
+    """The config's Serve-wide options (`http_options`, `proxy_location`) and its validated
+    applications."""
     data = load_serve_config(path)
     apps = []
     for i, app in enumerate(data["applications"]):
@@ -61,7 +62,9 @@ def read_apps(path: Path) -> tuple[dict, list[AppSpec]]:
                 f"run beside an external scaler; set num_replicas instead of {', '.join(scaled)}")
         apps.append(AppSpec(app.get("name", "default"), app.get("route_prefix", "/"), config,
                             external))
-    return data.get("http_options") or {}, apps
+    serve_wide = {"http_options": data.get("http_options") or {},
+                  "proxy_location": data.get("proxy_location")}
+    return serve_wide, apps
 
 
 def start_ray(options: ServeOptions) -> None:
@@ -103,14 +106,18 @@ def prepare_embedded(apps: list[AppSpec]) -> None:
             prepare_vision_encoder(lm_path)
 
 
-def deploy(options: ServeOptions, http: dict, apps: list[AppSpec]) -> tuple[str, int]:
+def deploy(options: ServeOptions, serve_wide: dict, apps: list[AppSpec]) -> tuple[str, int]:
+    """Start Serve as the config says (`proxy_location` too: `HeadOnly` keeps one proxy, on the
+    head node) and run each application."""
     from ray import serve
 
     from moonserve.deployments.builder import build_app
 
+    http = serve_wide["http_options"]
     host = options.host or http.get("host", "127.0.0.1")
     port = options.port or int(http.get("port", 8000))
-    serve.start(http_options={"host": host, "port": port})
+    serve.start(http_options={"host": host, "port": port},
+                proxy_location=serve_wide["proxy_location"])
     for app in apps:
         serve.run(build_app(app.config), name=app.name, route_prefix=app.route_prefix,
                   external_scaler_enabled=app.external_scaler_enabled)
@@ -147,14 +154,14 @@ def run_until_signalled(options: ServeOptions) -> int:
     before Ray starts."""
     import ray
 
-    http, apps = read_apps(options.config)
+    serve_wide, apps = read_apps(options.config)
     handler = shutdown_handler()
     listen(handler)
     try:
         prepare_embedded(apps)
         start_ray(options)
         listen(handler)  # ray.init installs its own SIGTERM handler (it aborts the driver)
-        host, port = deploy(options, http, apps)
+        host, port = deploy(options, serve_wide, apps)
         print(f"moonserve: OpenAI API at http://{host}:{port}/v1 (health: /health)", flush=True)
         if not options.address:
             print(f"moonserve: Ray dashboard at http://127.0.0.1:{options.dashboard_port}"

@@ -21,6 +21,9 @@ named by `MOONSERVE_DRAFT_SOCKET`; `moonserve.pipeline.speculative.endpoint`);
   or its address is being resolved, or the connection's handshake is under way), steps draft
   nothing WITHOUT waiting, so a dead DraftService costs decode one deadline, not one per step.
   The late reply is read and dropped when it comes; speculation resumes on the next step.
+- Sharding: with a DraftService of N replicas (`MOONSERVE_DRAFT_SHARDS`), each request belongs to
+  one shard by its id, and a step sends one message per shard (`ShardedDraftClient`), all in
+  flight together; each shard is one `DraftClient` as above, its replica found by shard.
 - Tensor parallelism: rank 0 calls and broadcasts its drafts over the TP group's CPU group, so every
   rank returns identical drafts.
 
@@ -43,6 +46,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from moonserve.pipeline.speculative.endpoint import connect_step_socket
+from moonserve.pipeline.speculative.shards import REFRESH_S, shard_of
 from moonserve.pipeline.speculative.wire import (
     EndpointAnswer,
     EndpointQuery,
@@ -54,6 +58,7 @@ from moonserve.pipeline.speculative.wire import (
 
 ENV_SOCKET = "MOONSERVE_DRAFT_SOCKET"
 ENV_DEADLINE_MS = "MOONSERVE_DRAFT_DEADLINE_MS"
+ENV_SHARDS = "MOONSERVE_DRAFT_SHARDS"  # the DraftService's replicas (requests sharded by id)
 DEFAULT_DEADLINE_MS = 25.0
 # After a failed connection or an answer without a service, ask the resolver again this much later
 # (steps in between draft nothing).
@@ -88,8 +93,13 @@ class DraftClient:
     that address stale, so the resolver asks Serve again.
     """
 
-    def __init__(self, resolver_path: str, deadline_s: float, stats: ProposerStats):
+    def __init__(self, resolver_path: str, deadline_s: float, stats: ProposerStats,
+                 shard: int = 0, refresh_s: float | None = None):
         self.resolver_path = resolver_path
+        self.shard = shard
+        # Sharded: ask the resolver again this often, and follow the shard if it moved.
+        self.refresh_s = refresh_s
+        self.next_refresh = 0.0
         self.deadline_s = deadline_s
         self.stats = stats
         self.context = zmq.Context(io_threads=1)  # no thread until the first socket (TP rank 0)
@@ -107,30 +117,49 @@ class DraftClient:
         self.connected = False  # the handshake succeeded: steps can be sent
         self.seq = 0
         self.pending: int | None = None  # seq of a call whose reply has not come yet
+        self.sent_at = 0.0  # when the pending call went out
 
     def call(self, request: StepRequest) -> StepReply | None:
         """Send `request` and wait for its reply; None when no reply within the deadline."""
+        if not self.send(request):
+            return None
+        return self.receive()
+
+    def send(self, request: StepRequest) -> bool:
+        """Send `request` unless no step can go now (counted as skipped); False: not sent."""
         if not self._ready():
             self.stats.skipped += 1
-            return None
+            return False
         self.seq += 1
         request.seq = self.seq
         request.stats = self.stats.take()  # counted since the last message that went out
-        start = time.monotonic()
+        self.sent_at = time.monotonic()
         try:
             self._send(request)
-            self.pending = self.seq
-            reply = self._wait(self.deadline_s)
         except ConnectionError as e:
-            logger.warning("draft service connection lost (%s); drafting nothing meanwhile", e)
-            self._drop_service()
+            self._lost(e)
+            return False
+        self.pending = self.seq
+        return True
+
+    def receive(self) -> StepReply | None:
+        """The reply of the call `send` made, waiting at most until its deadline; None when none
+        came by then."""
+        try:
+            reply = self._wait(self.sent_at + self.deadline_s - time.monotonic())
+        except ConnectionError as e:
+            self._lost(e)
             return None
         self.stats.calls += 1
         if reply is None:
             self.stats.missed += 1
             return None
-        self.stats.rtt_s.append(time.monotonic() - start)
+        self.stats.rtt_s.append(time.monotonic() - self.sent_at)
         return reply
+
+    def _lost(self, e: ConnectionError) -> None:
+        logger.warning("draft service connection lost (%s); drafting nothing meanwhile", e)
+        self._drop_service()
 
     def close(self) -> None:
         self.context.destroy(linger=0)  # closes every socket of this client
@@ -138,10 +167,13 @@ class DraftClient:
     def _ready(self) -> bool:
         if self.sock is None:
             if self.endpoint is None:
-                self._poll_resolver()
+                self.endpoint = self._poll_resolver()
             if self.endpoint is None:
                 return False
             self._connect_service()
+        elif self.refresh_s is not None and self.pending is None and \
+                time.monotonic() >= self.next_refresh:
+            self._refresh()
         try:
             if not self.connected:
                 self._check_monitor()
@@ -193,7 +225,9 @@ class DraftClient:
                 raise ConnectionError(zmq.Event(event).name.lower())
             self.connected = True
 
-    def _poll_resolver(self) -> None:
+    def _poll_resolver(self) -> EndpointAnswer | None:
+        """The resolver's answer to this client's query, asked without waiting: None until an
+        answer naming a step server is there."""
         if self.resolver is None:  # zmq connects (and reconnects) in the background
             self.resolver = self.context.socket(zmq.DEALER)
             self.resolver.linger = 0
@@ -201,23 +235,36 @@ class DraftClient:
         now = time.monotonic()
         if not self.resolving:
             if now < self.next_attempt:
-                return
+                return None
+            query = EndpointQuery(self.stale, self.shard)
             try:
-                self.resolver.send(self.encoder.encode(EndpointQuery(self.stale)), zmq.NOBLOCK)
+                self.resolver.send(self.encoder.encode(query), zmq.NOBLOCK)
             except zmq.Again:  # not queued (the resolver socket is not set up yet): next step
-                return
+                return None
             self.resolving = True
         try:
             answer = self.answer_decoder.decode(self.resolver.recv(zmq.NOBLOCK))
         except zmq.Again:  # no answer yet
-            return
+            return None
         except msgspec.DecodeError as e:
             answer = EndpointAnswer(error=f"unreadable resolver answer: {e}")
         self.resolving = False
         if answer.endpoint and answer.token:
+            return answer
+        self.next_attempt = now + RECONNECT_INTERVAL_S  # the service is down: ask again later
+        return None
+
+    def _refresh(self) -> None:
+        """Sharded: where the shard lives now; a shard back on its own replica (after a restart
+        sent it elsewhere) is followed there, its sessions rebuilt from resent contexts."""
+        answer = self._poll_resolver()
+        if answer is None:
+            return
+        self.next_refresh = time.monotonic() + self.refresh_s
+        if answer.endpoint != self.endpoint.endpoint:
+            self._close_service()
             self.endpoint = answer
-        else:  # the service is down: ask again a little later
-            self.next_attempt = now + RECONNECT_INTERVAL_S
+            self._connect_service()
 
     def _connect_service(self) -> None:
         self.sock, self.monitor = connect_step_socket(self.context, self.endpoint)
@@ -225,16 +272,62 @@ class DraftClient:
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
         self.connected, self.pending = False, None
+        self.next_refresh = time.monotonic() + (self.refresh_s or 0.0)
 
-    def _drop_service(self) -> None:
+    def _close_service(self) -> None:
         if self.sock is not None:
             self.sock.close(linger=0)
             self.monitor.close(linger=0)
+        self.sock = self.monitor = self.poller = self.pending = None
+        self.connected = False
+
+    def _drop_service(self) -> None:
+        self._close_service()
         if self.endpoint is not None:
             self.stale = self.endpoint.endpoint
-        self.sock = self.monitor = self.poller = self.pending = self.endpoint = None
-        self.connected = False
+        self.endpoint = None
         self.next_attempt = time.monotonic() + RECONNECT_INTERVAL_S
+
+
+class ShardedDraftClient:
+    """A DraftService of several replicas: one `DraftClient` per shard. Each step's rows go to
+    the shards their request ids hash to (`shard_of`), one message per shard, all sent before any
+    reply is awaited, each reply awaited until its own call's deadline at most; a shard that
+    cannot take the step or misses it costs its own rows' drafts only."""
+
+    def __init__(self, resolver_path: str, deadline_s: float, stats: ProposerStats,
+                 shards: int, refresh_s: float = REFRESH_S):
+        self.clients = [DraftClient(resolver_path, deadline_s, stats, shard=i, refresh_s=refresh_s)
+                        for i in range(shards)]
+
+    def call(self, request: StepRequest) -> StepReply | None:
+        """One step: the shards' replies merged in row order; a row whose shard did not answer
+        gets no drafts and is resent from its position. None when no shard answered."""
+        n = len(self.clients)
+        rows_of: dict[int, list[int]] = {}
+        for i, row in enumerate(request.rows):
+            rows_of.setdefault(shard_of(row.request_id, n), []).append(i)
+        released: dict[int, list[str]] = {}
+        for request_id in request.release:
+            released.setdefault(shard_of(request_id, n), []).append(request_id)
+        sent = [shard for shard in sorted(rows_of.keys() | released.keys())
+                if self.clients[shard].send(StepRequest(
+                    k=request.k, rows=[request.rows[i] for i in rows_of.get(shard, ())],
+                    release=released.get(shard, [])))]
+        replies = {shard: self.clients[shard].receive() for shard in sent}
+        answered = {shard: r for shard, r in replies.items() if r is not None and not r.error}
+        if not answered:
+            return None
+        drafts: list[list[int]] = [[] for _ in request.rows]
+        resend_from = [row.position for row in request.rows]
+        for shard, reply in answered.items():
+            for j, i in enumerate(rows_of.get(shard, ())):
+                drafts[i], resend_from[i] = reply.drafts[j], reply.resend_from[j]
+        return StepReply(seq=0, drafts=drafts, resend_from=resend_from)
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
 
 
 def seeded_sampling(batch, row: int) -> bool:
@@ -271,8 +364,10 @@ class ServiceProposer:
         if not path:
             raise RuntimeError(f"{ENV_SOCKET} is not set: the LanguageModel deployment sets it to "
                                "its draft endpoint resolver's socket before starting the engine")
-        deadline_ms = float(os.environ.get(ENV_DEADLINE_MS, DEFAULT_DEADLINE_MS))
-        self.client = DraftClient(path, deadline_ms / 1000.0, self.stats)
+        deadline_s = float(os.environ.get(ENV_DEADLINE_MS, DEFAULT_DEADLINE_MS)) / 1000.0
+        shards = int(os.environ.get(ENV_SHARDS, "1"))
+        self.client = DraftClient(path, deadline_s, self.stats) if shards == 1 else \
+            ShardedDraftClient(path, deadline_s, self.stats, shards)
         # request id -> context tokens the service holds (as far as we know)
         self.sent: dict[str, int] = {}
 

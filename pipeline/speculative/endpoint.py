@@ -14,11 +14,13 @@ straight to the DraftService replica (a DEALER socket talking to a ROUTER):
   a handler defers (the prefetch) runs right after the reply is queued, on the same thread, while
   the target verifies.
 - `EndpointResolver` (in the LanguageModel replica): a ROUTER on a Unix socket (`ipc://`) whose
-  path is in `MOONSERVE_DRAFT_SOCKET`; the proposer asks it `EndpointQuery(stale=old)` and it
-  answers the DraftService's current `EndpointAnswer(endpoint="host:port", token=...)`, asking
-  Serve (through the handle) only when it has none or the proposer reports the one it has as stale
-  (the replica was replaced). Serve thus still owns placement and restarts; it is just off the
-  per-step path.
+  path is in `MOONSERVE_DRAFT_SOCKET`; the proposer asks it `EndpointQuery(stale=old, shard=i)`
+  and it answers the current `EndpointAnswer(endpoint="host:port", token=...)` of that shard's
+  replica (one shard unless the DraftService has several replicas:
+  `moonserve.pipeline.speculative.shards`), asking Serve (through the handle) only when it has
+  none, the proposer reports the one it has as stale (the replica was replaced), or, sharded,
+  every `REFRESH_S`. Serve thus still owns placement and restarts; it is just off the per-step
+  path.
 - `connect_step_socket`: the proposer's side of the step connection, with a monitor socket that
   says when the handshake succeeded and when the connection is lost (`LOST`).
 
@@ -39,6 +41,7 @@ import secrets
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -47,6 +50,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
+from moonserve.pipeline.speculative.shards import REFRESH_S
 from moonserve.pipeline.speculative.wire import (
     EndpointAnswer,
     EndpointQuery,
@@ -205,16 +209,22 @@ def _seq_of(payload: bytes) -> int:
 
 
 class EndpointResolver(_RouterServer):
-    """Answers the proposer's endpoint queries from the DraftService handle (see module doc)."""
+    """Answers the proposer's endpoint queries from the DraftService handle (see module doc).
 
-    def __init__(self, handle, timeout_s: float):
+    With `shards` above 1 it answers per shard (`endpoint(shard)`, which the DraftService's
+    `ShardRouter` sends to that shard's replica) and asks Serve again once an answer is
+    `refresh_s` old, so a shard moves back to its replica after a restart."""
+
+    def __init__(self, handle, timeout_s: float, shards: int = 1, refresh_s: float = REFRESH_S):
         super().__init__("draft-resolver")
         self.dir = Path(tempfile.mkdtemp(prefix="moonserve-draft-"))  # 0700: this user only
         self.path = str(self.dir / "resolver.sock")
         self.sock.bind(f"ipc://{self.path}")
         self.handle = handle
         self.timeout_s = timeout_s
-        self.current: EndpointAnswer | None = None
+        self.shards = shards
+        self.refresh_s = refresh_s
+        self.current: dict[int, tuple[EndpointAnswer, float]] = {}  # shard -> (answer, when)
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(EndpointQuery)
 
@@ -222,23 +232,31 @@ class EndpointResolver(_RouterServer):
         super().close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def resolve(self, stale: str | None) -> EndpointAnswer:
-        if self.current is None or self.current.endpoint == stale:
-            self.current = None
+    def resolve(self, stale: str | None, shard: int = 0) -> EndpointAnswer:
+        known = self.current.get(shard)
+        now = time.monotonic()
+        if known is None or known[0].endpoint == stale or \
+                (self.shards > 1 and now - known[1] >= self.refresh_s):
+            self.current.pop(shard, None)
             try:
-                found = self.handle.endpoint.remote().result(timeout_s=self.timeout_s)
-                self.current = msgspec.convert(found, EndpointAnswer)
+                call = self.handle.endpoint.remote(shard) if self.shards > 1 else \
+                    self.handle.endpoint.remote()
+                found = msgspec.convert(call.result(timeout_s=self.timeout_s), EndpointAnswer)
             except Exception as e:  # noqa: BLE001 - the service is down or restarting
                 logger.warning("draft service endpoint unavailable: %s: %s", type(e).__name__, e)
                 return EndpointAnswer(error=f"{type(e).__name__}: {e}")
-        return self.current
+            self.current[shard] = (found, now)
+        return self.current[shard][0]
 
     def answer(self, payload: bytes) -> tuple[bytes, None]:
         try:
-            stale = self.decoder.decode(payload).stale
+            query = self.decoder.decode(payload)
         except msgspec.DecodeError as e:
             return self.encoder.encode(EndpointAnswer(error=f"bad endpoint query: {e}")), None
-        return self.encoder.encode(self.resolve(stale)), None
+        if not 0 <= query.shard < self.shards:
+            return self.encoder.encode(EndpointAnswer(
+                error=f"no shard {query.shard}: the DraftService has {self.shards}")), None
+        return self.encoder.encode(self.resolve(query.stale, query.shard)), None
 
 
 def connect_step_socket(context: zmq.Context, answer: EndpointAnswer) -> tuple[zmq.Socket,

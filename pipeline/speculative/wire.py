@@ -2,8 +2,9 @@
 
 They travel msgpack-encoded, one per ZeroMQ message (`moonserve.pipeline.speculative.endpoint`).
 Once per engine step the proposer sends one `StepRequest` for the whole batch and reads one
-`StepReply` with the same `seq`; to find the DraftService it asks the LM replica's resolver with an
-`EndpointQuery` and gets an `EndpointAnswer`. Decoding validates a message against its schema
+`StepReply` with the same `seq` (one of each per shard when the DraftService has several replicas);
+to find a shard's replica it asks the LM replica's resolver with an `EndpointQuery` and gets an
+`EndpointAnswer`. Decoding validates a message against its schema
 (`msgspec.ValidationError`, a `msgspec.DecodeError`, names the bad field).
 
 On the wire a request is the map `{"seq", "k", "rows", "release", "stats"}`, each row the array
@@ -65,9 +66,11 @@ class StepReply(msgspec.Struct, kw_only=True):
 
 
 class EndpointQuery(msgspec.Struct):
-    """Proposer -> the LM replica's resolver: where is the DraftService's step server?"""
+    """Proposer -> the LM replica's resolver: where is the step server of this shard?"""
 
     stale: str | None = None  # an endpoint that failed: ask Serve for the current one
+    # Which of the DraftService's `num_replicas` shards (the requests whose ids hash to it).
+    shard: int = 0
 
 
 class EndpointAnswer(msgspec.Struct):

@@ -111,6 +111,50 @@ def test_builder_binds_router_and_language_model_from_config():
     assert router_options(cfg.router)["max_ongoing_requests"] == 256
 
 
+def test_custom_resources_pin_replicas_and_serve_gets_the_proxy_location(tmp_path):
+    """`deployment.resources` reaches each replica's actor options (the LanguageModel's go in its
+    bundles, and the config says so); the file's `proxy_location` reaches `serve.start`."""
+    from moonserve.deployments.builder import build_app
+    from tests.unit.test_production_config import deployments_of
+
+    data = yaml.safe_load(LOCAL_CONFIG.read_text())
+    args = data["applications"][0]["args"]
+    args["router"]["deployment"]["resources"] = {"moonserve_head": 0.01}
+    args["draft"]["deployment"]["resources"] = {"moonserve_worker": 0.01}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    serve_wide, (app,) = read_apps(path)
+    assert serve_wide["proxy_location"] == "HeadOnly"
+    graph = deployments_of(build_app(app.config))
+    resources = {name: d.ray_actor_options.get("resources") for name, d in graph.items()}
+    assert resources == {"Router": {"moonserve_head": 0.01}, "LanguageModel": None,
+                         "DraftService": {"moonserve_worker": 0.01}, "ImagePreprocessor": None,
+                         "VisionEncoder": None}
+    args["language_model"]["deployment"]["resources"] = {"moonserve_lm": 1}
+    with pytest.raises(ValidationError, match=r"put custom resources in placement.bundles\[0\]"):
+        AppConfig.model_validate(args)
+
+
+def test_a_sharded_draft_service_routes_by_shard_and_names_its_shards_to_the_engine():
+    from moonserve.deployments.builder import build_app
+    from moonserve.deployments.language_model import export_draft_env
+    from moonserve.pipeline.engine.proposer import ENV_SHARDS
+    from tests.unit.test_production_config import deployments_of
+
+    args = local_args()
+    args["draft"]["deployment"] = {"num_replicas": 3, "max_ongoing_requests": 64}
+    config = AppConfig.model_validate(args)
+    graph = deployments_of(build_app(config))
+    router = graph["DraftService"]._deployment_config.request_router_config
+    assert router.request_router_class.endswith("draft_shards.ShardRouter")
+    assert graph["DraftService"]._deployment_config.num_replicas == 3
+    environ = {}
+    export_draft_env(config.draft, "/tmp/x.sock", environ)
+    assert environ[ENV_SHARDS] == "3" and ENV_SHARDS in environ["VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"]
+    one = deployments_of(build_app(load_app_config(LOCAL_CONFIG)))["DraftService"]
+    assert "ShardRouter" not in str(one._deployment_config.request_router_config)
+
+
 def test_drains_are_sized_from_the_lanes_and_max_tokens():
     """What Serve is given as each deployment's graceful shutdown (the bound graph's config)."""
     from moonserve.deployments.builder import build_app
@@ -165,8 +209,9 @@ def test_serve_run_path_builds_the_app_from_the_yaml():
      "default_max_tokens (16) is over max_tokens (8)"),
     ({"router": {"lanes": {"interactive": {"max_in_flight": 0, "max_queue": 1}}}},
      "router.lanes.interactive.max_in_flight"),
-    ({"draft": {"mode": "service", "deployment": {"num_replicas": 2}}},
-     "the DraftService keeps each request's context in its replica"),
+    ({"draft": {"mode": "service", "deployment": {
+        "autoscaling": {"min_replicas": 1, "max_replicas": 2}}}},
+     "draft.deployment.autoscaling: each request's context lives in the replica"),
     ({"draft": {"mode": "inline", "drafter": "dspark"}},
      "needs a target checkpoint that ships DSpark weights"),
     ({"draft": {"ngram_min": 6, "ngram_max": 5}}, "draft.ngram_min (6) is over draft.ngram_max (5)"),

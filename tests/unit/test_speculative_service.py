@@ -15,11 +15,12 @@ import msgspec
 import pytest
 import zmq
 
-from moonserve.pipeline.engine.proposer import DraftClient, ProposerStats
+from moonserve.pipeline.engine.proposer import DraftClient, ProposerStats, ShardedDraftClient
 from moonserve.pipeline.speculative.adaptive import AdaptivePolicy
 from moonserve.pipeline.speculative.endpoint import PLAIN_USERNAME, EndpointResolver, StepServer
 from moonserve.pipeline.speculative.ngram import NgramDrafter
 from moonserve.pipeline.speculative.service import DraftCore
+from moonserve.pipeline.speculative.shards import shard_of
 from moonserve.pipeline.speculative.wire import Row, StepReply, StepRequest
 
 # The service's mechanics, with every proposal as long as asked.
@@ -313,3 +314,142 @@ def test_the_service_can_raise_the_deadline_even_with_late_replies(servers, clie
     client.call(message([["a", 0, COPY]]))  # reads the late reply, adopts its deadline
     assert client.deadline_s == 1.0
     assert client.call(message([["a", 0, COPY]])).drafts == [[10, 11, 12]]
+
+
+class ShardEndpoints:
+    """The DraftService handle as a sharded resolver uses it: `endpoint.remote(shard)` answers
+    from the step server `ShardRouter` would pick, here `route[shard]`."""
+
+    def __init__(self, route: dict[int, StepServer]):
+        self.route = route
+        self.endpoint = self
+        self.asked: list[int] = []
+
+    def remote(self, shard):
+        self.asked.append(shard)
+        server = self.route[shard]
+        return type("Result", (), {"result": lambda _, timeout_s=None: server.endpoint()})()
+
+
+def sharded_client(route, servers, refresh_s=10.0):
+    resolver = EndpointResolver(ShardEndpoints(route), timeout_s=1.0, shards=len(route),
+                                refresh_s=refresh_s)
+    servers(resolver)
+    client = ShardedDraftClient(resolver.path, deadline_s=2.0, stats=ProposerStats(),
+                                shards=len(route), refresh_s=refresh_s)
+    # A shard's client resolves and connects when a step has rows for it.
+    warm = [ids[0] for ids in ids_by_shard(16, len(route), prefix="warm").values()]
+    deadline = time.monotonic() + 5
+    while not all(c.connected for c in client.clients):
+        client.call(message([[rid, 0, [1]] for rid in warm]))
+        assert time.monotonic() < deadline, "the shards never connected"
+        time.sleep(0.01)
+    return client, resolver
+
+
+class RecordingHandler(CoreHandler):
+    def __init__(self):
+        super().__init__()
+        self.request_ids: set[str] = set()
+
+    def __call__(self, message):
+        self.request_ids |= {row[0] for row in message["rows"]}
+        return super().__call__(message)
+
+
+def ids_by_shard(n_ids: int, shards: int, prefix: str = "req") -> dict[int, list[str]]:
+    by_shard: dict[int, list[str]] = {}
+    for k in range(n_ids):
+        by_shard.setdefault(shard_of(f"{prefix}-{k}", shards), []).append(f"{prefix}-{k}")
+    return by_shard
+
+
+def test_a_step_sends_each_shard_its_own_rows_and_merges_the_replies(servers):
+    handlers = [RecordingHandler(), RecordingHandler()]
+    step_servers = servers(*(StepServer(h, host="127.0.0.1") for h in handlers))
+    client, _ = sharded_client(dict(enumerate(step_servers)), servers)
+    for h in handlers:  # what connecting sent
+        h.request_ids.clear()
+        h.received = 0
+    try:
+        ids = [f"req-{k}" for k in range(8)]
+        reply = client.call(message([[rid, 0, COPY] for rid in ids]))
+        assert reply.drafts == [[10, 11, 12]] * 8 and reply.resend_from == [-1] * 8
+        by_shard = ids_by_shard(8, 2)
+        assert [h.request_ids for h in handlers] == [set(by_shard[0]), set(by_shard[1])]
+        # One message per shard per step, all sent before any reply is read.
+        assert [h.received for h in handlers] == [1, 1]
+    finally:
+        client.close()
+
+
+def test_a_lost_shard_costs_its_own_rows_only(servers, monkeypatch):
+    monkeypatch.setattr("moonserve.pipeline.engine.proposer.RECONNECT_INTERVAL_S", 60)
+    handlers = [RecordingHandler(), RecordingHandler()]
+    step_servers = servers(*(StepServer(h, host="127.0.0.1") for h in handlers))
+    client, _ = sharded_client(dict(enumerate(step_servers)), servers)
+    try:
+        step_servers[1].close()
+        by_shard = ids_by_shard(8, 2)
+        rows = [[rid, 0, COPY] for rid in by_shard[0] + by_shard[1]]
+        deadline = time.monotonic() + 5
+        while client.clients[1].connected:  # the connection's loss reaches the client
+            reply = client.call(message(rows))
+            assert time.monotonic() < deadline, "the lost shard was never noticed"
+        reply = client.call(message(rows))
+        n0 = len(by_shard[0])
+        assert reply.drafts[:n0] == [[10, 11, 12]] * n0 and reply.resend_from[:n0] == [-1] * n0
+        # Shard 1's rows: no drafts, resent from where they were.
+        assert reply.drafts[n0:] == [[]] * len(by_shard[1])
+        assert reply.resend_from[n0:] == [0] * len(by_shard[1])
+    finally:
+        client.close()
+
+
+def test_a_shard_follows_its_replica_back_after_a_restart(servers):
+    home, stand_in = RecordingHandler(), RecordingHandler()
+    home_server, stand_in_server = servers(StepServer(home, host="127.0.0.1"),
+                                           StepServer(stand_in, host="127.0.0.1"))
+    # Shard 1's replica is down: Serve's router gives shard 1 the other replica meanwhile.
+    route = {0: stand_in_server, 1: stand_in_server}
+    client, resolver = sharded_client(route, servers, refresh_s=0.1)
+    try:
+        rid = ids_by_shard(16, 2)[1][0]
+        assert client.call(message([[rid, 0, COPY]])).drafts == [[10, 11, 12]]
+        assert rid in stand_in.request_ids
+        route[1] = home_server  # back: the next refresh sends shard 1 home
+        deadline = time.monotonic() + 5
+        position = len(COPY)
+        while rid not in home.request_ids:
+            reply = client.call(message([[rid, position, [7]]]))
+            if reply is not None and reply.resend_from[0] >= 0:  # a new session: resend all
+                position = reply.resend_from[0]
+                reply = client.call(message([[rid, position, (COPY + [7])[position:]]]))
+            assert time.monotonic() < deadline, "shard 1 never went back to its replica"
+            time.sleep(0.02)
+        assert resolver.handle.asked.count(1) >= 2
+    finally:
+        client.close()
+
+
+def test_the_shard_router_sends_a_named_shard_to_its_replica():
+    import asyncio
+    from types import SimpleNamespace
+
+    from moonserve.pipeline.router.draft_shards import ShardRouter
+    from moonserve.pipeline.speculative.shards import requested_shard
+
+    def replica(name):
+        return SimpleNamespace(replica_id=SimpleNamespace(to_full_id_str=lambda: name))
+
+    def call(method, *args, **kwargs):
+        return SimpleNamespace(args=args, kwargs=kwargs,
+                               metadata=SimpleNamespace(call_method=method))
+
+    replicas = [replica(n) for n in ("c", "a", "b")]
+    for shard, expected in ((0, "a"), (1, "b"), (2, "c"), (4, "b")):
+        (rank,) = asyncio.run(ShardRouter.choose_replicas(None, replicas, call("endpoint", shard)))
+        assert [r.replica_id.to_full_id_str() for r in rank] == [expected]
+    assert requested_shard(call("set_drafter", "none", shard=3)) == 3
+    assert requested_shard(call("set_deadline", 1000)) is None  # a deadline, not a shard
+    assert requested_shard(call("endpoint", True)) is None

@@ -1,0 +1,366 @@
+"""The app on a two-node Ray cluster: one LanguageModel replica per node, a node lost and regained.
+
+A head and a worker node on this machine (tests/cluster/conftest.py), each with `moonserve_lm: 1`
+and `moonserve_draft: 1`, so each node runs one LanguageModel replica (embedded model) and one of
+the two DraftService shards (speculation: requests sharded by id); the Router and Serve's one
+proxy on the head. The app is deployed by `moonserve serve --address` as a user deploys onto a
+cluster. A real Prometheus
+scrapes every node through Ray's service-discovery file.
+
+Under load, the worker node's raylet is SIGKILLed: every request is counted (completed, or failed
+with an error the client sees), its streams end with an error event and `[DONE]`, new requests
+go to the head's replica; the node rejoins and the app serves on both replicas again. Then every
+Grafana panel's query has a series in that Prometheus, and headless Chromium logs into the Ray
+dashboard with the cluster's token (as the README says) and takes the screenshot in the docs.
+
+These tests run in order and share one cluster; they run before the session server starts
+(`tests/cluster` sorts first), so no third engine shares the two cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from moonserve.pipeline.app.launch import ServerProcess
+from moonserve.pipeline.bench.corpus import copy_prompts
+from moonserve.pipeline.config import DEFAULT_CONFIG
+from tests.cluster.conftest import Prometheus, TwoNodeCluster, free_ports
+from tests.conftest import MODEL, REPO
+
+pytestmark = pytest.mark.timeout(900)
+
+APP = "moonserve"
+DEPLOYMENTS = ("Router", "LanguageModel", "DraftService", "VisionEncoder", "ImagePreprocessor")
+# docs/images/: `MOONSERVE_UPDATE_DOCS=1 python -m pytest tests/cluster -k dashboard` remakes them.
+DOCS_SCREENSHOTS = ("ray-dashboard-serve-app.png", "ray-dashboard-nodes.png")
+
+
+def two_node_config(http_port: int) -> dict:
+    """configs/local.yaml with two LanguageModel replicas, one per `moonserve_lm` node."""
+    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    data["http_options"]["port"] = http_port
+    args = data["applications"][0]["args"]
+    args["router"]["deployment"]["resources"] = {"moonserve_head": 0.01}
+    lm = args["language_model"]
+    lm["deployment"] = {"num_replicas": 2, "max_ongoing_requests": 64}
+    lm["placement"] = {"bundles": [{"CPU": 0.5, "moonserve_lm": 1}], "strategy": "STRICT_PACK"}
+    # Two engines on two cores: one unbound OpenMP thread each.
+    lm["env"] = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+    # Two DraftService shards, one per node.
+    args["draft"]["deployment"] = {"num_replicas": 2, "max_ongoing_requests": 64,
+                                   "resources": {"moonserve_draft": 1}}
+    return data
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cluster")
+    nodes = TwoNodeCluster(root)
+    try:
+        yield nodes.start()
+    finally:
+        nodes.stop()
+
+
+@pytest.fixture(scope="module")
+def prometheus(cluster, tmp_path_factory):
+    if shutil.which("prometheus") is None:
+        pytest.skip("needs Debian's prometheus package (README setup)")
+    server = Prometheus(cluster.temp_dir / "prom_metrics_service_discovery.json",
+                        tmp_path_factory.mktemp("prom"))
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def app(cluster, tmp_path_factory):
+    root = tmp_path_factory.mktemp("app")
+    (port,) = free_ports(1)
+    config = root / "two-nodes.yaml"
+    config.write_text(yaml.safe_dump(two_node_config(port)))
+    process = ServerProcess(
+        [sys.executable, "-m", "moonserve.pipeline.app.cli", "serve", "--config", str(config),
+         "--address", cluster.address],
+        f"http://127.0.0.1:{port}/health", log_path=root / "moonserve-serve.log",
+        env=cluster.env, start_timeout_s=420)
+    process.start()
+    try:
+        wait_for_replicas(cluster, "LanguageModel", 2, timeout_s=300)
+        yield process.base_url
+    finally:
+        process.stop()
+
+
+def running(cluster: TwoNodeCluster, deployment: str) -> list[dict]:
+    return [r for r in cluster.serve_replicas(APP).get(deployment, [])
+            if r.get("state") == "RUNNING"]
+
+
+def wait_for_replicas(cluster: TwoNodeCluster, deployment: str, n: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(running(cluster, deployment)) != n:
+        assert time.monotonic() < deadline, \
+            f"{deployment}: not {n} running replicas: {cluster.serve_replicas(APP)}"
+        time.sleep(2)
+
+
+def node_ids(cluster: TwoNodeCluster) -> tuple[str, str]:
+    """(head, worker) node ids of the live nodes."""
+    nodes = cluster.alive_nodes()
+    head = next(n["raylet"]["nodeId"] for n in nodes if n["raylet"].get("isHeadNode"))
+    others = [n["raylet"]["nodeId"] for n in nodes if n["raylet"]["nodeId"] != head]
+    return head, (others[0] if others else "")
+
+
+@dataclass
+class Outcome:
+    """What the client saw of one request."""
+
+    status: int | None = None
+    tokens: int = 0
+    error: str | None = None  # an error body or error event
+    done: bool = False
+    exception: str | None = None  # no answer at all: the request is lost to the client
+    ended_at: float = 0.0
+
+    @property
+    def kind(self) -> str:
+        if self.exception is not None:
+            return "lost"
+        if self.status != 200:
+            return "failed" if self.error else "lost"
+        if self.error is not None:
+            return "failed" if self.done else "lost"
+        return "completed" if self.done else "lost"
+
+
+async def chat(http: httpx.AsyncClient, url: str, content: str, max_tokens: int,
+               started: asyncio.Event | None = None) -> Outcome:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    out = Outcome()
+    try:
+        async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+            out.status = r.status_code
+            if r.status_code != 200:
+                out.error = (await r.aread()).decode()
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    out.done = True
+                elif line.startswith("data: {"):
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        out.error = json.dumps(event["error"])
+                    elif event.get("usage"):
+                        out.tokens = event["usage"]["completion_tokens"]
+                    elif started is not None:
+                        started.set()
+    except httpx.HTTPError as e:
+        out.exception = repr(e)
+    out.ended_at = time.monotonic()
+    return out
+
+
+def per_instance(prometheus: Prometheus, promql: str) -> dict[int, float]:
+    """Each series' value by the port of the node it was scraped from."""
+    return {int(s["metric"]["instance"].rsplit(":", 1)[1]): float(s["value"][1])
+            for s in prometheus.query(promql) if "instance" in s["metric"]}
+
+
+def lm_instances(cluster: TwoNodeCluster) -> set[int]:
+    """Both nodes' metrics-export ports."""
+    return set(cluster.metrics_ports())
+
+
+def test_each_node_runs_one_language_model_replica(cluster, app):
+    head, worker = node_ids(cluster)
+    assert worker, cluster.alive_nodes()
+    lm = running(cluster, "LanguageModel")
+    assert sorted(r["node_id"] for r in lm) == sorted([head, worker]), lm
+    assert {r["node_id"] for r in running(cluster, "Router")} == {head}
+    assert sorted(r["node_id"] for r in running(cluster, "DraftService")) == \
+        sorted([head, worker])
+
+
+async def test_prometheus_scrapes_every_node(cluster, app, prometheus):
+    async with httpx.AsyncClient(timeout=120) as http:
+        outcomes = await asyncio.gather(*(chat(http, app, f"Say {k}.", 8) for k in range(4)))
+    assert [o.kind for o in outcomes] == ["completed"] * 4, outcomes
+    deadline = time.monotonic() + 60
+    while True:
+        up = {int(t["labels"]["instance"].rsplit(":", 1)[1]) for t in prometheus.targets()
+              if t["health"] == "up"}
+        engines = set(per_instance(prometheus, "ray_vllm_num_requests_running"))
+        if lm_instances(cluster) <= up and lm_instances(cluster) <= engines:
+            break
+        assert time.monotonic() < deadline, {"up": up, "engines": engines}
+        await asyncio.sleep(2)
+
+
+async def test_killing_the_worker_node_under_load_loses_no_request(cluster, app, prometheus):
+    streams, stream_tokens = 6, 200
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300, connect=10)) as http:
+        started = [asyncio.Event() for _ in range(streams)]
+        long = [asyncio.create_task(chat(http, app, f"Tell story {k}.", stream_tokens, e))
+                for k, e in enumerate(started)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 240)
+        # Both engines are decoding some of them (Prometheus, per node).
+        deadline = time.monotonic() + 60
+        while True:
+            busy = {i for i, v in per_instance(prometheus, "ray_vllm_num_requests_running")
+                    .items() if v > 0}
+            if lm_instances(cluster) <= busy:
+                break
+            assert time.monotonic() < deadline, busy
+            await asyncio.sleep(1)
+
+        cluster.worker.kill_raylet()
+        killed_at = time.monotonic()
+        new, declared_dead_at = [], None
+        while declared_dead_at is None or time.monotonic() < declared_dead_at + 10:
+            new.append((time.monotonic(), asyncio.create_task(
+                chat(http, app, f"Question {len(new)}?", 16))))
+            await asyncio.sleep(0.5)
+            if declared_dead_at is None and len(await asyncio.to_thread(cluster.alive_nodes)) == 1:
+                declared_dead_at = time.monotonic()
+            assert time.monotonic() - killed_at < 180, "the worker node was never declared dead"
+        long_outcomes = await asyncio.gather(*long)
+        new_outcomes = [(sent, await task) for sent, task in new]
+
+    kinds = [o.kind for o in long_outcomes]
+    assert "lost" not in kinds, long_outcomes
+    # The worker's streams end with an error event and [DONE], the head's finish.
+    assert kinds.count("failed") >= 1 and kinds.count("completed") >= 1, long_outcomes
+    for o in long_outcomes:
+        if o.kind == "completed":
+            assert o.tokens == stream_tokens, o
+        else:
+            assert o.status == 200 and o.done, o
+            assert o.ended_at - killed_at < 60, f"a stream of the dead node hung: {o}"
+    assert [o.kind for _, o in new_outcomes].count("lost") == 0, new_outcomes
+    # Requests sent once the node was declared dead never try it.
+    after = [o for sent, o in new_outcomes if sent > declared_dead_at]
+    assert after and all(o.kind == "completed" and o.tokens == 16 for o in after), after
+    print(f"\nworker raylet killed: long streams {kinds}; {len(new_outcomes)} new requests, "
+          f"{[o.kind for _, o in new_outcomes].count('completed')} completed; node declared "
+          f"dead after {declared_dead_at - killed_at:.1f} s")
+
+
+async def test_the_node_rejoins_and_both_replicas_serve_again(cluster, app, prometheus):
+    await asyncio.to_thread(cluster.rejoin_worker)
+    await asyncio.to_thread(wait_for_replicas, cluster, "LanguageModel", 2, 300)
+    await asyncio.to_thread(wait_for_replicas, cluster, "DraftService", 2, 120)
+    head, worker = node_ids(cluster)
+    for deployment in ("LanguageModel", "DraftService"):
+        assert sorted(r["node_id"] for r in running(cluster, deployment)) == \
+            sorted([head, worker]), deployment
+    done = "sum by (instance) (ray_vllm_request_success_total)"
+    # Steps each DraftService shard drafted, by node (a shard sent elsewhere while its replica
+    # was down has gone home: the resolvers ask again every 10 s).
+    drafted = 'sum by (instance) (ray_moonserve_draft_step_seconds_count)'
+    before, drafted_before = per_instance(prometheus, done), per_instance(prometheus, drafted)
+    async with httpx.AsyncClient(timeout=300) as http:
+        outcomes = await asyncio.gather(*(chat(http, app, f"Count to {k}.", 32)
+                                          for k in range(12)))
+    assert [o.kind for o in outcomes] == ["completed"] * 12, outcomes
+    deadline = time.monotonic() + 30
+    while True:
+        after, drafted_after = per_instance(prometheus, done), per_instance(prometheus, drafted)
+        served = {i for i in lm_instances(cluster) if after.get(i, 0) > before.get(i, 0)}
+        shards = {i for i in lm_instances(cluster)
+                  if drafted_after.get(i, 0) > drafted_before.get(i, 0)}
+        if served == shards == lm_instances(cluster):
+            break
+        assert time.monotonic() < deadline, {"served": served, "drafted": shards}
+        await asyncio.sleep(2)
+
+
+def grafana_queries() -> list[tuple[str, str]]:
+    dashboard = json.loads((REPO / "configs" / "grafana" / "moonserve.json").read_text())
+    return [(p["title"], t["expr"].replace("$application", APP))
+            for p in dashboard["panels"] for t in p["targets"]]
+
+
+async def test_every_grafana_panel_query_returns_a_series(app, prometheus):
+    from tests.server.test_multimodal import data_url, image_chat, png
+
+    image = data_url(png((98, 70), (5, 6, 7)))
+    async with httpx.AsyncClient(timeout=300) as http:
+        for prompt in copy_prompts(2):  # drafts proposed and accepted
+            r = await http.post(f"{app}/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": 24, "temperature": 0})
+            assert r.status_code == 200, r.text
+        for _ in range(2):  # an encoder cache miss, then a hit
+            r = await http.post(f"{app}/v1/chat/completions", json={
+                "model": MODEL, "messages": image_chat(image), "max_tokens": 4})
+            assert r.status_code == 200, r.text
+        outcomes = await asyncio.gather(*(chat(http, app, f"Hello {k}", 24) for k in range(4)))
+    assert [o.kind for o in outcomes] == ["completed"] * 4, outcomes
+    deadline = time.monotonic() + 60
+    while True:
+        empty = [(title, q) for title, q in grafana_queries() if not prometheus.query(q)]
+        if not empty:
+            break
+        assert time.monotonic() < deadline, f"queries without a series: {empty}"
+        await asyncio.sleep(3)
+
+
+def test_the_dashboard_shows_both_nodes_after_login_with_the_token(cluster, app, tmp_path):
+    """The Serve page with every deployment, and the LanguageModel's page with its replica on
+    each node, as a user sees them after pasting the token the README names."""
+    if shutil.which("chromium") is None:
+        pytest.skip("needs Debian's chromium package (README setup)")
+    from playwright.sync_api import sync_playwright
+
+    head, worker = node_ids(cluster)
+    shots = [tmp_path / name for name in DOCS_SCREENSHOTS]
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=shutil.which("chromium"), args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        try:
+            page = browser.new_page(viewport={"width": 1600, "height": 1000})
+            page.goto(f"{cluster.dashboard_url}/#/serve/applications/{APP}")
+            page.get_by_text("Authentication Token Required").wait_for(timeout=60_000)
+            page.get_by_role("textbox", name="Authentication Token").fill(cluster.token)
+            page.get_by_role("button", name="Submit").click()
+            for deployment in DEPLOYMENTS:
+                page.get_by_text(deployment, exact=True).first.wait_for(timeout=60_000)
+            page.wait_for_timeout(1000)
+            page.screenshot(path=str(shots[0]), full_page=True)
+            page.goto(f"{cluster.dashboard_url}/#/cluster")
+            page.get_by_text(worker[:8]).first.wait_for(timeout=60_000)
+            for node in page.locator("tbody tr").filter(
+                    has=page.locator("td:first-child button")).all():
+                if "DEAD" not in node.inner_text():  # a node lost earlier stays listed
+                    node.locator("td:first-child button").click()
+            page.get_by_text("LanguageModel").nth(1).wait_for(timeout=60_000)
+            page.wait_for_timeout(2000)
+            # The whole list in one viewport (a full-page shot repeats the sticky header).
+            page.set_viewport_size({"width": 1600, "height": page.evaluate(
+                "document.documentElement.scrollHeight")})
+            page.screenshot(path=str(shots[1]))
+            text = page.inner_text("body")
+        finally:
+            browser.close()
+    if os.environ.get("MOONSERVE_UPDATE_DOCS"):
+        for shot in shots:
+            (REPO / "docs" / "images").mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(shot, REPO / "docs" / "images" / shot.name)
+    assert head in text and worker in text, f"the LanguageModel page names no node of each: {text}"
