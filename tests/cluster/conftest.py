@@ -247,9 +247,9 @@ class Prometheus:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
-            with contextlib.suppress(urllib.error.URLError, OSError):
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/-/ready", timeout=2):
-                    return
+            with contextlib.suppress(urllib.error.URLError, OSError), \
+                    urllib.request.urlopen(f"http://127.0.0.1:{self.port}/-/ready", timeout=2):
+                return
             time.sleep(0.5)
         raise AssertionError("prometheus not ready")
 

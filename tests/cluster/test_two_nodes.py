@@ -26,7 +26,6 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
@@ -256,9 +255,12 @@ async def test_killing_the_worker_node_under_load_loses_no_request(cluster, app,
     # Requests sent once the node was declared dead never try it.
     after = [o for sent, o in new_outcomes if sent > declared_dead_at]
     assert after and all(o.kind == "completed" and o.tokens == 16 for o in after), after
+    failed = [(round(sent - killed_at, 1), o.status, (o.error or "")[:120])
+              for sent, o in new_outcomes if o.kind == "failed"]
     print(f"\nworker raylet killed: long streams {kinds}; {len(new_outcomes)} new requests, "
           f"{[o.kind for _, o in new_outcomes].count('completed')} completed; node declared "
-          f"dead after {declared_dead_at - killed_at:.1f} s")
+          f"dead after {declared_dead_at - killed_at:.1f} s; failed new requests (s after the "
+          f"kill, status, error): {failed}")
 
 
 async def test_the_node_rejoins_and_both_replicas_serve_again(cluster, app, prometheus):
@@ -322,8 +324,8 @@ async def test_every_grafana_panel_query_returns_a_series(app, prometheus):
 
 
 def test_the_dashboard_shows_both_nodes_after_login_with_the_token(cluster, app, tmp_path):
-    """The Serve page with every deployment, and the LanguageModel's page with its replica on
-    each node, as a user sees them after pasting the token the README names."""
+    """The Serve page with every deployment, and the Cluster page with each node's replicas, as
+    a user sees them after pasting the token the README names."""
     if shutil.which("chromium") is None:
         pytest.skip("needs Debian's chromium package (README setup)")
     from playwright.sync_api import sync_playwright
@@ -363,4 +365,5 @@ def test_the_dashboard_shows_both_nodes_after_login_with_the_token(cluster, app,
         for shot in shots:
             (REPO / "docs" / "images").mkdir(parents=True, exist_ok=True)
             shutil.copyfile(shot, REPO / "docs" / "images" / shot.name)
-    assert head in text and worker in text, f"the LanguageModel page names no node of each: {text}"
+    assert head in text and worker in text, text
+    assert text.count("ServeReplica:moonserve:LanguageModel") == 2, text  # one on each node
