@@ -98,10 +98,12 @@ SAMPLED_PROMPT = "river stone lantern orbit velvet harbor copper meadow\n" * 2 +
 SAMPLES = 200
 
 
-def exact_pair_distribution(reference_model, prompt: str, temperature: float) -> Counter:
+def exact_pair_distribution(reference_model, prompt: str,
+                            temperature: float) -> tuple[Counter, Counter]:
     """P(text of the first two sampled tokens), from the reference model's float64 softmax; pairs
     whose first token has probability < 0.005, or whose joint probability is < 1e-4, are left out
-    (the tests pool them as the rest)."""
+    (the tests pool them as the rest). Also P(text of the first token), whole: what conditional
+    probabilities divide by (the kept pairs of a first token miss the tail of its second)."""
     import torch
 
     model, tokenizer = reference_model
@@ -111,12 +113,13 @@ def exact_pair_distribution(reference_model, prompt: str, temperature: float) ->
         firsts = (first >= 0.005).nonzero().flatten().tolist()
         second = model(torch.tensor([ids + [t] for t in firsts])).logits[:, -1].double()
         second = torch.softmax(second / temperature, -1)
-    dist = Counter()
+    dist, first_texts = Counter(), Counter()
     for row, t0 in enumerate(firsts):
+        first_texts[tokenizer.decode([t0])] += first[t0].item()
         joint = first[t0] * second[row]
         for t1 in (joint >= 1e-4).nonzero().flatten().tolist():
             dist[tokenizer.decode([t0, t1])] += joint[t1].item()
-    return dist
+    return dist, first_texts
 
 
 def sample_pairs(client, count: int) -> list[str]:
@@ -156,19 +159,20 @@ def homogeneity_pvalue(a: list[str], b: list[str]) -> float:
 FIRST, COPY = " lantern", " lantern orbit"
 
 
-def copy_pvalue(samples: list[str], dist: Counter) -> float:
+def copy_pvalue(samples: list[str], dist: Counter, first_texts: Counter) -> float:
     """Binomial test at the drafted position: of the samples that start with FIRST, the share
-    that go on with the drafted " orbit" against its exact conditional probability."""
+    that go on with the drafted " orbit" against its exact conditional probability, P(COPY) /
+    P(FIRST) (0.557 here; dividing by the kept pairs' sum instead gave 0.633)."""
     from scipy.stats import binomtest
 
-    share = dist[COPY] / sum(p for t, p in dist.items() if t.startswith(FIRST))
+    share = dist[COPY] / sum(p for t, p in first_texts.items() if t.startswith(FIRST))
     started = sum(t.startswith(FIRST) for t in samples)
     return binomtest(samples.count(COPY), started, share).pvalue
 
 
 def test_sampled_tokens_follow_the_exact_distribution_with_and_without(server, client,
                                                                        reference_model):
-    exact = exact_pair_distribution(reference_model, SAMPLED_PROMPT, 1.0)
+    exact, first_texts = exact_pair_distribution(reference_model, SAMPLED_PROMPT, 1.0)
     with drafter(server, "ngram"):
         before = spec_counters(server)
         with_spec = sample_pairs(client, SAMPLES)
@@ -183,7 +187,7 @@ def test_sampled_tokens_follow_the_exact_distribution_with_and_without(server, c
     for name, samples in (("with speculation", with_spec), ("without", without)):
         p = fit_pvalue(samples, exact)
         assert p > 1e-3, f"{name}: not the model's distribution (p={p:.2g}): {Counter(samples)}"
-        p = copy_pvalue(samples, exact)
+        p = copy_pvalue(samples, exact, first_texts)
         assert p > 1e-3, f"{name}: {COPY!r} off its exact probability (p={p:.2g})"
     p = homogeneity_pvalue(with_spec, without)
     assert p > 1e-3, f"with and without speculation differ (p={p:.2g})"
