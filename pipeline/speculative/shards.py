@@ -5,11 +5,12 @@ shards, `shard_of(request_id, N)`; the LM replica's proposer sends each step's r
 they hash to, one message per shard, all in flight together under the one deadline
 (`moonserve.pipeline.engine.proposer.ShardedDraftClient`). A proposer finds a shard's step server
 through its LM replica's resolver, which asks Serve `endpoint(shard)`; `ShardRouter`
-(`moonserve.pipeline.router.draft_shards`), the DraftService's request router, sends that call to the shard's replica: the shard's index in the
-running replicas sorted by id, modulo their number. So every LM replica reaches the same replica
-for a request, and while a replica is down its shard goes to another (whose sessions then start
-from the context the proposer resends); the resolvers ask again every `REFRESH_S`, so a shard goes
-home once its replica is back.
+(`moonserve.pipeline.router.draft_shards`), the DraftService's request router, sends that call
+to the shard's replica: the shard's index in the running replicas sorted by id, modulo their
+number. So every LM replica reaches the same replica for a request, and while a replica is
+down its shard goes to another (whose sessions then start from the context the proposer
+resends); the resolvers ask again every `REFRESH_S`, so a shard goes home once its replica is
+back.
 
 Example:
     >>> shard_of("chatcmpl-1f2e", 4)
