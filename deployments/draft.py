@@ -1,4 +1,4 @@
-"""DraftService deployment: per-request draft contexts and the drafters (`ngram`, `dspark`).
+"""DraftService deployment: per-request draft contexts and the drafters (`ngram`, `dspark`, ...).
 
 The engine's proposer sends one message per engine step with the whole batch (format in
 `moonserve.pipeline.speculative.wire`) over a ZeroMQ connection to this replica's `StepServer`
@@ -35,8 +35,9 @@ EVICT_INTERVAL_S = 5.0
 
 def drafter_factories(config: DraftConfig, draft_model_path: str, target_path: str) -> dict:
     """Drafters by name, each built on first use: `ngram`, `dspark` (weights at
-    `draft_model_path`, embedding and LM head shared from the target checkpoint at `target_path`)
-    and `none` (no drafts: speculation paused)."""
+    `draft_model_path`, embedding and LM head shared from the target checkpoint at `target_path`),
+    `none` (no drafts: speculation paused) and, when it is the configured drafter,
+    `dspark_context` (K3 DSpark over the target's hidden states, same weights path)."""
     def dspark():
         import torch
 
@@ -47,8 +48,18 @@ def drafter_factories(config: DraftConfig, draft_model_path: str, target_path: s
         return DSparkDrafter.from_pretrained(draft_model_path, device=device,
                                              shared=target_shared_tensors(target_path))
 
-    return {"ngram": lambda: NgramDrafter(min_n=config.ngram_min, max_n=config.ngram_max),
-            "dspark": dspark, "none": NoDrafter}
+    def dspark_context():
+        from moonserve.pipeline.models.dspark import target_shared_tensors
+        from moonserve.pipeline.speculative.dspark_context import ContextDSparkDrafter
+
+        return ContextDSparkDrafter.from_pretrained(draft_model_path,
+                                                    shared=target_shared_tensors(target_path))
+
+    drafters = {"ngram": lambda: NgramDrafter(min_n=config.ngram_min, max_n=config.ngram_max),
+                "dspark": dspark, "none": NoDrafter}
+    if config.drafter == "dspark_context":  # only then do the proposers send hidden states
+        drafters["dspark_context"] = dspark_context
+    return drafters
 
 
 class DraftMetrics:

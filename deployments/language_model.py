@@ -18,6 +18,7 @@ import logging
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -193,12 +194,33 @@ def add_to_ray_copy_list(environ, names) -> None:
 def export_draft_env(draft: DraftConfig, socket_path: str, environ=os.environ) -> None:
     """Name the DraftService endpoint to the proposer in every engine worker: the variables are
     set in this replica and added to the list vLLM's Ray executor copies to its TP workers."""
-    from moonserve.pipeline.engine.proposer import ENV_DEADLINE_MS, ENV_SHARDS, ENV_SOCKET
+    from moonserve.pipeline.engine.proposer import (
+        ENV_DEADLINE_MS,
+        ENV_HIDDEN_LAYERS,
+        ENV_SHARDS,
+        ENV_SOCKET,
+    )
 
     environ[ENV_SOCKET] = socket_path
     environ[ENV_DEADLINE_MS] = str(draft.deadline_ms)
     environ[ENV_SHARDS] = str(draft.shards())
-    add_to_ray_copy_list(environ, (ENV_SOCKET, ENV_DEADLINE_MS, ENV_SHARDS))
+    environ[ENV_HIDDEN_LAYERS] = ",".join(map(str, hidden_layers(draft)))
+    add_to_ray_copy_list(environ, (ENV_SOCKET, ENV_DEADLINE_MS, ENV_SHARDS, ENV_HIDDEN_LAYERS))
+
+
+def hidden_layers(draft: DraftConfig) -> tuple[int, ...]:
+    """The target layers whose hidden states the proposer sends: the `dspark_context` drafter's
+    `target_layer_ids` (from its checkpoint's config.json); none for the other drafters."""
+    if draft.drafter != "dspark_context":
+        return ()
+    from moonserve.pipeline.models.dspark import DSparkConfig
+    from moonserve.pipeline.models.weights import CONFIG_FILE
+
+    config = DSparkConfig.from_json(Path(draft.model) / CONFIG_FILE)
+    if not config.target_layer_ids:
+        raise ValueError(f"draft.model {draft.model}: its config.json names no target_layer_ids "
+                         "(the target layers dspark_context drafts from)")
+    return config.target_layer_ids
 
 
 def start_draft_resolver(draft: DraftConfig, draft_service):

@@ -477,6 +477,10 @@ class DraftConfig(StrictModel):
     - `service`: the DraftService deployment drafts (`drafter`), called every engine step by the
       LM's proposer (`moonserve.pipeline.engine.proposer`) over a direct connection. A call that misses
       `deadline_ms` yields no drafts for that step; the service down = no speculation.
+      Drafters: `ngram` (prompt lookup), `dspark` (the DSpark model over tokens only; `embedded`
+      by default), `dspark_context` (a K3 DSpark checkpoint at `model`, drafting from the
+      target's hidden states at its `target_layer_ids`, which the proposer sends with each step;
+      needs `language_model.engine.enforce_eager`: the proposer reads them with forward hooks).
     - `inline`: vLLM's own in-engine method: `dspark` (the separate DSpark draft checkpoint named by
       `model`, a `K3DSparkModel`; GPU only, production) or `ngram` (prompt lookup in the engine;
       the benchmark's baseline).
@@ -484,7 +488,7 @@ class DraftConfig(StrictModel):
     """
 
     mode: Literal["service", "inline", "off"] = "off"
-    drafter: Literal["ngram", "dspark"] = "ngram"
+    drafter: Literal["ngram", "dspark", "dspark_context"] = "ngram"
     num_speculative_tokens: PositiveInt = 4
     # Prompt lookup n-gram sizes (vLLM's prompt_lookup_min/max), for both ngram drafters.
     ngram_min: PositiveInt = 2
@@ -524,6 +528,14 @@ class DraftConfig(StrictModel):
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"draft.ngram_min ({self.ngram_min}) is over draft.ngram_max "
                              f"({self.ngram_max})")
+        if self.drafter == "dspark_context" and self.mode != "service":
+            raise ValueError("draft.drafter dspark_context is a DraftService drafter: set "
+                             "draft.mode to service (inline, vLLM's own dspark reads the hidden "
+                             "states in the engine)")
+        if self.drafter == "dspark_context" and self.model == EMBEDDED_MODEL:
+            raise ValueError("draft.model: drafter dspark_context needs a K3 DSpark checkpoint "
+                             "(context_proj over the target's hidden states); the embedded "
+                             "drafter reads tokens only")
         if self.mode == "service" and self.deployment.autoscaling is not None:
             raise ValueError("draft.deployment.autoscaling: each request's context lives in the "
                              "replica its id is sharded to, over a fixed number of shards; set "
@@ -665,6 +677,11 @@ class AppConfig(StrictModel):
         if self.vision is not None and not self.language_model.engine.enable_prompt_embeds:
             raise ValueError("vision is configured but language_model.engine.enable_prompt_embeds "
                              "is false: image requests reach vLLM as prompt embeddings")
+        if self.draft.drafter == "dspark_context" and \
+                not self.language_model.engine.enforce_eager:
+            raise ValueError("draft.drafter dspark_context needs language_model.engine."
+                             "enforce_eager: true (the proposer reads the target's hidden states "
+                             "with forward hooks, which a compiled graph skips)")
         if self.draft.mode == "inline" and self.draft.drafter == "dspark" and \
                 self.language_model.engine.model == EMBEDDED_MODEL:
             raise ValueError("draft.mode inline with drafter dspark needs a target checkpoint that "

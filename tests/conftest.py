@@ -2,7 +2,9 @@
 
 - `server`: every test that uses the `server` fixture (tests/server/conftest.py), directly or
   through other fixtures, needs the live app, and so does every test in tests/cluster (its own
-  two-node cluster); `pytest -m "not server"` runs everything else.
+  two-node cluster) and tests/engines (apps and engines of their own, one at a time); `pytest -m
+  "not server"` runs everything else. Both directories sort before tests/server, so their engines
+  are gone before the session server's starts.
 - `gpu`: skipped when there is no CUDA/ROCm device.
 - `destructive`: kills parts of the session server, so these run after everything else.
 """
@@ -18,12 +20,13 @@ from moonserve.pipeline.config import DEFAULT_CONFIG
 REPO = Path(__file__).resolve().parent.parent
 LOCAL_CONFIG = DEFAULT_CONFIG
 MODEL = "moonserve-embedded"  # the served model name in LOCAL_CONFIG
-CLUSTER_TESTS = REPO / "tests" / "cluster"
+OWN_APP_TESTS = (REPO / "tests" / "cluster", REPO / "tests" / "engines")
 
 
 def pytest_collection_modifyitems(session, config, items):
     for item in items:
-        if "server" in getattr(item, "fixturenames", ()) or CLUSTER_TESTS in item.path.parents:
+        if "server" in getattr(item, "fixturenames", ()) or \
+                any(d in item.path.parents for d in OWN_APP_TESTS):
             item.add_marker(pytest.mark.server)
     skip_gpu_tests_without_a_device(items)
     items.sort(key=lambda item: item.get_closest_marker("destructive") is not None)

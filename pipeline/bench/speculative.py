@@ -16,8 +16,14 @@ Requests run `--concurrency` at a time. Per arm and workload: decode tokens/s
 service: acceptance rate (accepted / draft tokens), mean acceptance length (1 + accepted / drafts:
 tokens per verify step, as vLLM logs it) and prefetch hit rate.
 
+After the arms, `hidden_state_steps` (`moonserve.pipeline.bench.hidden_steps`): draft steps that
+carry the target's hidden states to the `dspark_context` drafter through a real step server, at
+batch 1, 8 and 64: request bytes per step, round trip p50/p99, the service's step time, and the
+bytes at K3's widths (`--hidden-state-steps 0` skips it).
+
     moonserve bench speculative [--requests 8] [--max-tokens 96] [--num-speculative-tokens K]
-                                [--vllm-ngram-k K ...] [--arms a,b] [--out bench-speculative.json]
+                                [--vllm-ngram-k K ...] [--arms a,b] [--hidden-state-steps N]
+                                [--out bench-speculative.json]
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+from moonserve.pipeline.bench import hidden_steps
 from moonserve.pipeline.bench.client import percentile, run_load
 from moonserve.pipeline.bench.corpus import chat_prompts, copy_prompts, short_chat_prompts
 from moonserve.pipeline.config import DEFAULT_CONFIG, load_app_config, write_with_args
@@ -73,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the most drafts per step for every arm (default: the config's)")
     parser.add_argument("--vllm-ngram-k", type=int, nargs="*", default=[],
                         help="also run vLLM's ngram at these k (arms vllm_ngram_kK)")
+    parser.add_argument("--hidden-state-steps", type=int, default=20,
+                        help="decode steps per batch size (1, 8, 64) of the hidden-state draft "
+                             "step measurement (bytes, round trip); 0 skips it")
     parser.add_argument("--port", type=int, default=8041)
     parser.add_argument("--out", default="bench-speculative.json")
 
@@ -223,8 +233,12 @@ def main(args: argparse.Namespace) -> int:
         for engine, engine_arms in per_engine.items():
             results |= run_engine_in_child(engine, engine_arms, args, Path(tmp))
     report = summarize(args, results)
+    if args.hidden_state_steps > 0:  # after the engines: nothing else is running
+        report["hidden_state_steps"] = hidden_steps.measure(
+            args.hidden_state_steps, report["num_speculative_tokens"])
     Path(args.out).write_text(json.dumps(report, indent=2))
     print_table(report)
+    print_hidden_steps(report.get("hidden_state_steps"))
     print(f"results written to {args.out}")
     return 0
 
@@ -260,3 +274,16 @@ def print_table(report: dict) -> None:
                   f"{fmt(r['prefetch_hit_rate']):>8} "
                   f"{fmt((r['draft_call_ms'] or {}).get('call_ms_p50')):>7} "
                   f"{r.get('outputs_match_off', '-')!s:>5}")
+
+
+def print_hidden_steps(section: dict | None) -> None:
+    if not section:
+        return
+    print(f"draft steps with hidden states (k={section['k']}, {section['new_tokens_per_row']} "
+          f"new tokens per row, {section['hidden_dtype']}):")
+    print(f"{'batch':>5} {'bytes/step':>11} {'bytes/row':>9} {'rtt p50 ms':>10} "
+          f"{'rtt p99 ms':>10} {'service ms':>10} {'K3 bytes/step':>13}")
+    for b in section["batches"]:
+        print(f"{b['batch']:>5} {b['bytes_per_step']:>11.0f} {b['bytes_per_row']:>9.0f} "
+              f"{b['round_trip_ms_p50']:>10.1f} {b['round_trip_ms_p99']:>10.1f} "
+              f"{b['service_step_ms_p50']:>10.1f} {b['bytes_per_step_k3']:>13}")

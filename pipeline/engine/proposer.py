@@ -34,6 +34,7 @@ Example (what vLLM does with it):
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -59,6 +60,9 @@ from moonserve.pipeline.speculative.wire import (
 ENV_SOCKET = "MOONSERVE_DRAFT_SOCKET"
 ENV_DEADLINE_MS = "MOONSERVE_DRAFT_DEADLINE_MS"
 ENV_SHARDS = "MOONSERVE_DRAFT_SHARDS"  # the DraftService's replicas (requests sharded by id)
+# "0,15,31": send the target's hidden states at these layers with each row (drafter
+# `dspark_context`); unset or empty: tokens only.
+ENV_HIDDEN_LAYERS = "MOONSERVE_DRAFT_HIDDEN_LAYERS"
 DEFAULT_DEADLINE_MS = 25.0
 # After a failed connection or an answer without a service, ask the resolver again this much later
 # (steps in between draft nothing).
@@ -330,6 +334,137 @@ class ShardedDraftClient:
             client.close()
 
 
+def decoder_layers(model) -> list:
+    """The target's decoder layers (`model.model.layers` of its language model)."""
+    language_model = model.get_language_model() if hasattr(model, "get_language_model") \
+        else model
+    return list(language_model.model.layers)
+
+
+class HiddenCapture:
+    """The target's hidden states at `layer_ids` for every token of the engine's last forward pass.
+
+    Each is the residual stream after that decoder layer, `hidden_states + residual` of the
+    layer's output, which is what vLLM's DSpark reads as aux hidden states (`target_layer_ids`
+    i -> aux layer i + 1). Forward hooks keep them, so the engine must run eagerly: a compiled
+    graph skips the hooks.
+    """
+
+    def __init__(self, model, layer_ids: tuple[int, ...]):
+        layers = decoder_layers(model)
+        bad = [i for i in layer_ids if not 0 <= i < len(layers)]
+        if bad:
+            raise ValueError(f"{ENV_HIDDEN_LAYERS}: layers {bad} are not among the target's "
+                             f"{len(layers)} decoder layers")
+        self.layer_ids = tuple(layer_ids)
+        self.states: list = [None] * len(layer_ids)
+        for slot, index in enumerate(layer_ids):
+            layers[index].register_forward_hook(functools.partial(self._keep, slot))
+
+    def _keep(self, slot: int, module, args, output) -> None:
+        hidden, residual = output[0], output[-1]  # vLLM's decoder layers: (mlp out, residual)
+        self.states[slot] = hidden if residual is None else hidden + residual
+
+    def rows(self, start: int, end: int):
+        """Rows `start .. end - 1` of the last pass, `[end - start, len(layer_ids) * hidden]`."""
+        import torch
+
+        return torch.cat([state[start:end] for state in self.states], dim=-1)
+
+
+@dataclass
+class UnsentHidden:
+    """A request's hidden states the service has not confirmed: context positions
+    `start .. start + rows - 1`."""
+
+    start: int
+    parts: list = field(default_factory=list)
+
+    @property
+    def end(self) -> int:
+        return self.start + sum(int(p.shape[0]) for p in self.parts)
+
+    def add(self, start: int, rows) -> None:
+        """Rows from context position `start`; rows from there on are replaced (a rerun)."""
+        if not self.start <= start <= self.end:  # not contiguous: start over from here
+            self.start, self.parts = start, [rows]
+        elif start == self.end:
+            self.parts.append(rows)
+        else:
+            self.parts = [self.concat()[: start - self.start], rows]
+
+    def concat(self):
+        import torch
+
+        return torch.cat(self.parts) if len(self.parts) > 1 else self.parts[0]
+
+
+class HiddenStates:
+    """Per request, the target's hidden states the DraftService has not confirmed yet.
+
+    After each forward pass, `collect` keeps the rows the target has accepted: per request, the
+    rows at positions below its newest token (that one, just sampled, is the draft's anchor). A
+    prefill chunk that samples nothing is kept too and goes with the request's first row. A row
+    carries everything unconfirmed; a reply without `resend_from` confirms it. Confirmed states
+    are dropped, so when the service later asks for older context (it restarted or evicted the
+    session), the request drafts nothing from then on (`given_up`).
+    """
+
+    def __init__(self, capture: HiddenCapture, runner):
+        self.capture = capture
+        self.runner = runner
+        self.unsent: dict[str, UnsentHidden] = {}
+        self.given_up: set[str] = set()
+        self.dtype = "float32"
+
+    def collect(self, req_ids, num_tokens_no_spec) -> None:
+        query_start = self.runner.query_start_loc.np
+        positions = self.runner.positions[: int(query_start[len(req_ids)])].to("cpu")
+        for i, request_id in enumerate(req_ids):
+            start, end = int(query_start[i]), int(query_start[i + 1])
+            if start == end or request_id in self.given_up:
+                continue
+            first = int(positions[start])
+            count = min(end - start, int(num_tokens_no_spec[i]) - 1 - first)
+            if count > 0:
+                rows = self.capture.rows(start, start + count).to("cpu")
+                self.unsent.setdefault(request_id, UnsentHidden(first)).add(first, rows)
+
+    def attach(self, row: Row) -> None:
+        unsent = self.unsent.get(row.request_id)
+        if unsent is not None and unsent.parts:
+            self.dtype, row.hidden = hidden_payload(unsent.concat())
+            row.hidden_start = unsent.start
+
+    def confirmed(self, request_id: str) -> None:
+        self.unsent.pop(request_id, None)
+
+    def can_resend(self, request_id: str, position: int) -> bool:
+        """Whether the context the service asks for (tokens from `position`, so hidden states
+        from `position - 1`) is still here; if not, the request is given up."""
+        unsent = self.unsent.get(request_id)
+        if unsent is not None and unsent.start <= max(position - 1, 0):
+            return True
+        self.unsent.pop(request_id, None)
+        self.given_up.add(request_id)
+        return False
+
+    def forget(self, request_id: str) -> None:
+        self.unsent.pop(request_id, None)
+        self.given_up.discard(request_id)
+
+
+def hidden_payload(rows) -> tuple[str, bytes]:
+    """(dtype name, raw row-major bytes) of a hidden-state tensor for the wire."""
+    import torch
+
+    rows = rows.detach().to("cpu").contiguous()
+    dtype = str(rows.dtype).removeprefix("torch.")
+    if rows.dtype == torch.bfloat16:  # numpy has no bfloat16: same bits as int16
+        return dtype, rows.view(torch.int16).numpy().tobytes()
+    return dtype, rows.numpy().tobytes()
+
+
 def seeded_sampling(batch, row: int) -> bool:
     """A sampled request with a `seed`: it gets no drafts. Verification draws its random numbers
     per draft token, so whether a draft arrived before the deadline would change the answer a
@@ -370,9 +505,15 @@ class ServiceProposer:
             ShardedDraftClient(path, deadline_s, self.stats, shards)
         # request id -> context tokens the service holds (as far as we know)
         self.sent: dict[str, int] = {}
+        self.hidden_layers = tuple(int(i) for i in os.environ.get(ENV_HIDDEN_LAYERS, "")
+                                   .split(",") if i.strip())
+        self.hidden: HiddenStates | None = None
 
-    def load_model(self, *args, **kwargs) -> None:
-        """Nothing to load here: the drafter lives in the DraftService (vLLM requires the call)."""
+    def load_model(self, model=None, *args, **kwargs) -> None:
+        """The drafter lives in the DraftService (vLLM requires the call). With
+        `MOONSERVE_DRAFT_HIDDEN_LAYERS`, hooks on the target `model` keep its hidden states."""
+        if self.hidden_layers:
+            self.hidden = HiddenStates(HiddenCapture(model, self.hidden_layers), self.runner)
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
                 slot_mappings=None) -> list[list[int]]:
@@ -388,6 +529,9 @@ class ServiceProposer:
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
         batch = self.runner.input_batch
         req_ids = batch.req_ids
+        hidden = self.hidden
+        if hidden is not None:
+            hidden.collect(req_ids, num_tokens_no_spec)
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         rows, slots, room = [], [], []
         for i, sampled in enumerate(sampled_token_ids):
@@ -395,8 +539,13 @@ class ServiceProposer:
             if not sampled or num_tokens >= self.max_model_len or seeded_sampling(batch, i):
                 continue
             request_id = req_ids[i]
+            if hidden is not None and request_id in hidden.given_up:
+                continue
             position = min(self.sent.get(request_id, 0), num_tokens)
-            rows.append(Row(request_id, position, token_ids_cpu[i, position:num_tokens].tolist()))
+            row = Row(request_id, position, token_ids_cpu[i, position:num_tokens].tolist())
+            if hidden is not None:
+                hidden.attach(row)
+            rows.append(row)
             slots.append(i)
             room.append(min(self.k, self.max_model_len - num_tokens))
             self.sent[request_id] = num_tokens
@@ -404,9 +553,12 @@ class ServiceProposer:
         release = [r for r in self.sent if r not in live]
         for request_id in release:
             del self.sent[request_id]
+            if hidden is not None:
+                hidden.forget(request_id)
         if not rows and not release:
             return drafts
-        reply = self.client.call(StepRequest(k=self.k, rows=rows, release=release))
+        reply = self.client.call(StepRequest(k=self.k, rows=rows, release=release,
+                                             hidden_dtype=hidden.dtype if hidden else "bfloat16"))
         if reply is None or reply.error:
             # Not known whether the service applied these tokens: resend them next time.
             for row in rows:
@@ -414,8 +566,12 @@ class ServiceProposer:
             return drafts
         for slot, limit, row, row_drafts, resend in zip(
                 slots, room, rows, reply.drafts, reply.resend_from, strict=True):
-            if resend >= 0:
-                self.sent[row.request_id] = resend
-            else:
+            if resend < 0:
                 drafts[slot] = row_drafts[:limit]
+                if hidden is not None:
+                    hidden.confirmed(row.request_id)
+            elif hidden is None or hidden.can_resend(row.request_id, resend):
+                self.sent[row.request_id] = resend
+            else:  # its context cannot be rebuilt: no more drafts, and the service forgets it
+                self.sent[row.request_id] = 0
         return drafts

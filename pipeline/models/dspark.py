@@ -82,8 +82,10 @@ ATTENTION_TYPES = ("mla", "gqa")
 DEFAULT_MARKOV_RANK = 64  # the embedded build's rank
 # Tensors of a K3 DSpark checkpoint a token-only drafter has no input for: the projection of the
 # target's hidden states into the context (and its fused per-layer KV copy), and the training-time
-# acceptance-probability head.
-IGNORED_PREFIXES = ("context_proj.", "context_norm.", "context_kv_proj.", "confidence_head.")
+# acceptance-probability head. A drafter conditioned on the target's hidden states
+# (`DSparkModel(conditioned=True)`) loads `context_proj` and `context_norm`.
+CONTEXT_PREFIXES = ("context_proj.", "context_norm.")
+IGNORED_PREFIXES = (*CONTEXT_PREFIXES, "context_kv_proj.", "confidence_head.")
 SHARED_EMBEDDING_HINT = ("pass the target's embedding: DSparkDrafter.from_pretrained(path, "
                          "shared=target_shared_tensors(target_dir))")
 
@@ -96,7 +98,9 @@ class DSparkConfig:
     `qk_rope_head_dim`, `v_head_dim`; `"gqa"` reads `num_key_value_heads` and `head_dim`.
     `mask_token_id`: the query slots' input is that token's embedding (vLLM's convention); None:
     a learned or derived `mask_embedding` tensor `[hidden_size]`.
-    `target_layer_ids`: the target layers the drafter was built from (provenance only here).
+    `target_layer_ids`: the target layers the drafter was built from (or whose hidden states a
+    conditioned drafter reads). `target_hidden_size` and `num_target_layers` size the conditioned
+    drafter's `context_proj` (`[hidden_size, target_hidden_size * num_target_layers]`).
     `shares_target_embedding`: the checkpoint ships neither `embed_tokens.weight` nor an LM head;
     both are the target's, passed to `DSparkDrafter.from_pretrained` as `shared` (see
     `target_shared_tensors`). A K3 draft omits them too without saying so; loading either without
@@ -121,6 +125,8 @@ class DSparkConfig:
     markov_rank: int = DEFAULT_MARKOV_RANK
     mask_token_id: int | None = None
     target_layer_ids: tuple[int, ...] = ()
+    target_hidden_size: int | None = None
+    num_target_layers: int | None = None
     max_position_embeddings: int = 4096
     shares_target_embedding: bool = False
 
@@ -141,6 +147,9 @@ class DSparkConfig:
         else:
             self._validate_gqa()
         self._validate_ids()
+        for name in ("target_hidden_size", "num_target_layers"):
+            if getattr(self, name) is not None:
+                self._require_positive_int(name)
         if type(self.shares_target_embedding) is not bool:  # 1 is no JSON boolean
             raise ValueError(f"DSparkConfig.shares_target_embedding must be true or false, "
                              f"got {self.shares_target_embedding!r}")
@@ -178,6 +187,15 @@ class DSparkConfig:
                              f"got {self.target_layer_ids!r}")
 
     @property
+    def context_width(self) -> int:
+        """Width of one token's target hidden states as a conditioned drafter reads them: the
+        `num_target_layers` layers' states concatenated."""
+        if self.target_hidden_size is None or self.num_target_layers is None:
+            raise ValueError("DSparkConfig: target_hidden_size and num_target_layers are needed "
+                             "to condition the drafter on the target's hidden states")
+        return self.target_hidden_size * self.num_target_layers
+
+    @property
     def rope_dim(self) -> int:
         return self.qk_rope_head_dim if self.attention_type == "mla" else self.head_dim
 
@@ -188,6 +206,9 @@ class DSparkConfig:
         check_supported(data)
         names = {f.name for f in fields(cls)}
         values = {name: value for name, value in data.items() if name in names}
+        mask_token_id = mask_token_of(data)
+        if mask_token_id is not None:
+            values["mask_token_id"] = mask_token_id
         rope = data.get("rope_parameters") or {}
         if "rope_theta" in rope:
             values.setdefault("rope_theta", rope["rope_theta"])
@@ -210,6 +231,17 @@ class DSparkConfig:
 
     def to_json(self, path: Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+
+
+def mask_token_of(data: Mapping) -> int | None:
+    """The query slots' token, looked up as vLLM's `get_parallel_drafting_token_id` does:
+    `dflash_config.mask_token_id`, then `mask_token_id`, then `dspark_noise_token_id`."""
+    dflash = data.get("dflash_config") or {}
+    for value in (dflash.get("mask_token_id"), data.get("mask_token_id"),
+                  data.get("dspark_noise_token_id")):
+        if value is not None:
+            return value
+    return None
 
 
 def check_supported(data: Mapping) -> None:
@@ -307,6 +339,11 @@ class LayerKV:
 
     def truncate(self, num_tokens: int) -> None:
         self.num_tokens = min(self.num_tokens, num_tokens)
+
+    def rows(self, index: int = 0) -> torch.Tensor | None:
+        """Tensor `index`'s cached rows, `[num_tokens, ...]`; None before the first `extend`."""
+        data = self._data[index]
+        return None if data is None else data[: self.num_tokens]
 
 
 class DSparkCache:
@@ -482,9 +519,23 @@ class DSparkModel(nn.Module):
         >>> cache.truncate(3)       # what DSparkState does next: drop the query slots' rows
     """
 
-    def __init__(self, config: DSparkConfig, tie_word_embeddings: bool = True):
+    def __init__(self, config: DSparkConfig, tie_word_embeddings: bool = True,
+                 conditioned: bool = False):
         super().__init__()
         self.config = config
+        self.conditioned = conditioned
+        if conditioned:
+            if config.attention_type != "mla":
+                raise ValueError("DSparkConfig.attention_type: a drafter conditioned on the "
+                                 "target's hidden states is K3's MLA DSpark; got "
+                                 f"{config.attention_type!r}")
+            if config.mask_token_id is None:
+                raise ValueError("DSparkConfig.mask_token_id: the query slots' token is needed "
+                                 "(K3 DSpark configs name it mask_token_id or "
+                                 "dspark_noise_token_id)")
+            # vLLM's K3DSparkModel.combine_hidden_states: context_norm(context_proj(states)).
+            self.context_proj = nn.Linear(config.context_width, config.hidden_size, bias=False)
+            self.context_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.mask_embedding = (nn.Parameter(torch.zeros(config.hidden_size))
                                if config.mask_token_id is None else None)
@@ -557,19 +608,22 @@ def load_model(
     source: str,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    conditioned: bool = False,
 ) -> DSparkModel:
-    """Build a `DSparkModel` from named tensors, checking names and shapes against `config`.
+    """Build a `DSparkModel` from named tensors, checking names and shapes against `config`;
+    `conditioned`: with `context_proj` and `context_norm` (see `DSparkModel`).
 
     A linear weight `X.weight` may come as MXFP4, gpt-oss style: `X.weight_blocks` uint8
     `[out, in // 32, 16]` + `X.weight_scales` uint8 (or float8_e8m0fnu) `[out, in // 32]`; that
     linear then runs as an `MXFP4Linear` (`moonserve.kernels.mxfp4.linear.load_weights`; packed tensors keep
     their dtype, float ones are cast to `dtype`).
     """
-    tensors = {name: t for name, t in tensors.items() if not name.startswith(IGNORED_PREFIXES)}
+    ignored = tuple(p for p in IGNORED_PREFIXES if not (conditioned and p in CONTEXT_PREFIXES))
+    tensors = {name: t for name, t in tensors.items() if not name.startswith(ignored)}
     check_embedding_present(config, tensors, source)
     untied = any(name in tensors for name in ("lm_head.weight", "lm_head.weight" + BLOCKS_SUFFIX))
     with torch.device("meta"):
-        model = DSparkModel(config, tie_word_embeddings=not untied)
+        model = DSparkModel(config, tie_word_embeddings=not untied, conditioned=conditioned)
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
     check_tensor_names(expected, logical_shapes(model, tensors, source), source)
     load_weights(model, place_tensors(tensors, device, dtype), strict=True, assign=True)

@@ -172,7 +172,7 @@ class StepServer(_RouterServer):
             logger.warning("unreadable draft step: %s", e)
             return self._error(_seq_of(payload), e), None
         try:
-            reply, after = self.handler(msgspec.to_builtins(request))
+            reply, after = self.handler(msgspec.to_builtins(request, builtin_types=(bytes,)))
             return self.encoder.encode(msgspec.convert(reply, StepReply)), after
         except Exception as e:  # noqa: BLE001 - one bad step must not stop the server
             logger.exception("draft step %d failed", request.seq)

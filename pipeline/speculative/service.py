@@ -57,6 +57,7 @@ class DraftCore:
         self.deadline_ms: float | None = None
         self.accepted: list[int] = []
         self.to_prefetch: list[str] = []
+        self.num_context_rows = 0  # hidden-state rows received (dspark_context)
         self.set_drafter(active)
 
     def set_drafter(self, name: str, adaptive: AdaptivePolicy | None = None) -> None:
@@ -78,12 +79,10 @@ class DraftCore:
             sessions.release(request_id)
         k = int(message["k"])
         observation = StepObservation(self.active, 0.0)
-        drafts, resend_from = [], []
         self.to_prefetch = []
-        for request_id, position, new_token_ids in message["rows"]:
-            row, resend = self._draft_row(request_id, new_token_ids, position, k)
-            drafts.append(row)
-            resend_from.append(resend)
+        drafts, resend_from = self._draft_rows(message, k)
+        for request_id, row, resend in zip((r[0] for r in message["rows"]), drafts, resend_from,
+                                           strict=True):
             observation.num_drafts.append(len(row))
             observation.num_resends += resend >= 0
             if row:
@@ -98,19 +97,57 @@ class DraftCore:
             reply["deadline_ms"] = self.deadline_ms
         return reply, observation
 
-    def _draft_row(self, request_id: str, new_token_ids, position: int,
-                   k: int) -> tuple[list[int], int]:
-        """(drafts, -1), or ([], where to resend from) when the service lacks the context."""
-        try:
-            return self.sessions.draft(request_id, new_token_ids, position, k), -1
-        except (MissingTokensError, UnknownRequestError) as e:
-            return [], getattr(e, "num_tokens_held", 0)
-        except ContextTooLongError:
-            return [], -1
+    def _draft_rows(self, message: dict, k: int) -> tuple[list[list[int]], list[int]]:
+        """Per row: drafts, and -1 or the position to resend from (the service lacks the
+        context). Every row's context first, then every proposal (one pass for a batched
+        drafter)."""
+        rows = message["rows"]
+        drafts: list[list[int]] = [[] for _ in rows]
+        resend_from = [-1] * len(rows)
+        answered, contexts = [], []
+        for i, (request_id, position, new_token_ids, *hidden) in enumerate(rows):
+            try:
+                self.sessions.extend(request_id, new_token_ids, position)
+            except (MissingTokensError, UnknownRequestError) as e:
+                resend_from[i] = getattr(e, "num_tokens_held", 0)
+                continue
+            except ContextTooLongError:
+                continue
+            context = self._context(request_id, *hidden, message.get("hidden_dtype"))
+            if isinstance(context, int):
+                resend_from[i] = context
+                continue
+            if context is not None:
+                contexts.append(context)
+            answered.append(i)
+        if contexts:
+            self.sessions.drafter.add_contexts(contexts)
+            self.num_context_rows += sum(int(states.shape[0]) for _, _, states in contexts)
+        proposals = self.sessions.propose_many([rows[i][0] for i in answered], k)
+        for i, proposal in zip(answered, proposals, strict=True):
+            if proposal is None:  # evicted by a later row of this step: start it over
+                resend_from[i] = 0
+            else:
+                drafts[i] = proposal
+        return drafts, resend_from
+
+    def _context(self, request_id: str, start: int = -1, hidden: bytes = b"",
+                 dtype: str | None = None):
+        """The row's hidden states as `(state, start, [m, context_width])` for a drafter over
+        them; None when there are none (or the drafter reads tokens only); an int: the row's
+        hidden states start past the service's context, resend from that token position."""
+        drafter = self.sessions.drafter
+        if not hidden or not hasattr(drafter, "add_contexts"):
+            return None
+        state = self.sessions.state(request_id)
+        if start < 0 or start > state.num_context:
+            return min(len(state.token_ids), state.num_context + 1)
+        return state, start, decode_hidden(hidden, dtype or "bfloat16",
+                                           drafter.config.context_width)
 
     def prefetch(self) -> int:
         """Prefetch the rows the last `step` answered with drafts; returns how many."""
-        if not self.prefetch_enabled:
+        if not self.prefetch_enabled or not getattr(self.sessions.drafter, "prefetch", True):
             return 0
         done = 0
         for request_id in self.to_prefetch:
@@ -127,4 +164,21 @@ class DraftCore:
     def summary(self) -> dict:
         s = self.sessions.stats
         return {"drafter": self.active, "num_sessions": self.sessions.num_sessions,
-                "num_total_tokens": self.sessions.num_total_tokens, **vars(s)}
+                "num_total_tokens": self.sessions.num_total_tokens,
+                "num_context_rows": self.num_context_rows, **vars(s)}
+
+
+HIDDEN_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def decode_hidden(hidden: bytes, dtype: str, width: int):
+    """A row's `hidden` bytes as a `[m, width]` tensor of `dtype`."""
+    import torch
+
+    if dtype not in HIDDEN_DTYPES:
+        raise ValueError(f"hidden_dtype must be one of {HIDDEN_DTYPES}, got {dtype!r}")
+    values = torch.frombuffer(bytearray(hidden), dtype=getattr(torch, dtype))
+    if values.numel() % width:
+        raise ValueError(f"hidden: {values.numel()} {dtype} values are not whole rows of the "
+                         f"drafter's context_width {width}")
+    return values.view(-1, width)

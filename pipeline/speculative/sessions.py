@@ -227,6 +227,47 @@ class DraftSessions:
         session.cached_proposal = (*key, self._new_proposal(session, num_speculative_tokens))
         return list(session.cached_proposal[2])
 
+    def propose_many(self, request_ids: Sequence[str],
+                     num_speculative_tokens: int) -> list[list[int] | None]:
+        """`propose` for each request (None where it has no session). A batched drafter
+        (`drafter.batched`, e.g. `ContextDSparkDrafter`) drafts every new proposal in ONE
+        `propose_batch` call of block size `num_speculative_tokens`; each request keeps as many
+        of its block's drafts as its acceptance makes worth it."""
+        if not getattr(self.drafter, "batched", False):
+            return [self.propose(r, num_speculative_tokens) if r in self._sessions else None
+                    for r in request_ids]
+        results: list[list[int] | None] = [None] * len(request_ids)
+        pending: list[tuple[int, DraftSession, int]] = []
+        for i, request_id in enumerate(request_ids):
+            session = self._sessions.get(request_id)
+            if session is None:
+                continue
+            self._touch(session)
+            key = (session.num_tokens, num_speculative_tokens)
+            if session.cached_proposal is not None and session.cached_proposal[:2] == key:
+                self.stats.num_cached_proposals += 1
+                results[i] = list(session.cached_proposal[2])
+                continue
+            k = session.acceptance.num_drafts(num_speculative_tokens, self.adaptive)
+            if k == 0:
+                self.stats.num_paused += 1
+                session.cached_proposal, results[i] = (*key, []), []
+            else:
+                pending.append((i, session, k))
+        if pending:
+            blocks = self.drafter.propose_batch([s.state for _, s, _ in pending],
+                                                num_speculative_tokens)
+            self.stats.num_proposals += len(pending)
+            for (i, session, k), block in zip(pending, blocks, strict=True):
+                session.cached_proposal = (session.num_tokens, num_speculative_tokens, block[:k])
+                results[i] = list(block[:k])
+        return results
+
+    def state(self, request_id: str) -> DrafterState | None:
+        """The request's drafter state (None without a session)."""
+        session = self._sessions.get(request_id)
+        return session.state if session else None
+
     def _new_proposal(self, session: DraftSession, num_speculative_tokens: int) -> list[int]:
         k = session.acceptance.num_drafts(num_speculative_tokens, self.adaptive)
         if k == 0:

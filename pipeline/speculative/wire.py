@@ -7,9 +7,10 @@ to find a shard's replica it asks the LM replica's resolver with an `EndpointQue
 `EndpointAnswer`. Decoding validates a message against its schema
 (`msgspec.ValidationError`, a `msgspec.DecodeError`, names the bad field).
 
-On the wire a request is the map `{"seq", "k", "rows", "release", "stats"}`, each row the array
-`[request_id, position, [new token ids]]`; the DraftService's handler gets exactly that as plain
-Python (`msgspec.to_builtins`, see `DraftCore.step`). `position` is how many context tokens the
+On the wire a request is the map `{"seq", "k", "rows", "release", "stats", "hidden_dtype"}`, each
+row the array `[request_id, position, [new token ids], hidden_start, hidden bytes]` (the last two
+-1 and empty without the target's hidden states); the DraftService's handler
+gets exactly that as plain Python (`msgspec.to_builtins` keeping bytes, see `DraftCore.step`). `position` is how many context tokens the
 proposer believes the service holds (see `moonserve.pipeline.speculative.sessions`); a row whose
 position is ahead of the service (lost call, service restarted) comes back with `resend_from` and
 no drafts.
@@ -18,9 +19,9 @@ Example:
     >>> payload = msgspec.msgpack.encode(StepRequest(seq=1, k=2, rows=[Row("r1", 0, [4, 5, 6, 4])]))
     >>> request = msgspec.msgpack.decode(payload, type=StepRequest)
     >>> request.rows[0]
-    Row(request_id='r1', position=0, new_token_ids=[4, 5, 6, 4])
-    >>> msgspec.to_builtins(request)["rows"]
-    [['r1', 0, [4, 5, 6, 4]]]
+    Row(request_id='r1', position=0, new_token_ids=[4, 5, 6, 4], hidden_start=-1, hidden=b'')
+    >>> msgspec.to_builtins(request, builtin_types=(bytes,))["rows"]
+    [['r1', 0, [4, 5, 6, 4], -1, b'']]
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ class Row(msgspec.Struct, array_like=True):
     request_id: str
     position: int  # context tokens the proposer believes the service holds
     new_token_ids: list[int]
+    # For a drafter over the target's hidden states (`dspark_context`): the hidden states of the
+    # tokens at positions hidden_start, hidden_start + 1, ... (the ones the target has run since
+    # the last call), `[m, context_width]` as raw `StepRequest.hidden_dtype` bytes, row-major.
+    hidden_start: int = -1
+    hidden: bytes = b""
 
 
 class StepStats(msgspec.Struct):
@@ -52,6 +58,7 @@ class StepRequest(msgspec.Struct, kw_only=True):
     k: int  # num_speculative_tokens
     rows: list[Row]
     release: list[str] = []  # request ids that left the batch since the last step
+    hidden_dtype: str = "bfloat16"  # of every row's `hidden` (a torch dtype name)
     stats: StepStats = msgspec.field(default_factory=StepStats)
 
 

@@ -47,3 +47,19 @@ def test_workloads_can_be_chosen_and_unknown_ones_are_refused():
     assert list(speculative.workloads(parse("--workloads", "short_chat"))) == ["short_chat"]
     with pytest.raises(ValueError, match="long_chat"):
         speculative.workloads(parse("--workloads", "copy,long_chat"))
+
+
+def test_hidden_state_steps_carry_each_rows_hidden_states_through_a_step_server():
+    """The bytes are the rows' hidden states plus a small envelope, at every batch size."""
+    from moonserve.pipeline.bench import hidden_steps
+
+    section = hidden_steps.measure(steps=3, k=4, batches=(1, 3))
+    width = section["drafter"]["context_width"]
+    row_hidden = hidden_steps.NEW_TOKENS * width * 2  # bfloat16
+    for b in section["batches"]:
+        assert row_hidden < b["bytes_per_row"] < row_hidden + 200
+        assert b["prefill_bytes"] > b["batch"] * hidden_steps.PROMPT_TOKENS * width * 2
+        k3_row = hidden_steps.NEW_TOKENS * section["k3_context_width"] * 2
+        assert b["batch"] * k3_row < b["bytes_per_step_k3"] < b["batch"] * (k3_row + 200)
+        assert 0 < b["service_step_ms_p50"] <= b["round_trip_ms_p50"]
+    assert parse().hidden_state_steps == 20 and parse("--hidden-state-steps", "0").hidden_state_steps == 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import yaml
 from pydantic import ValidationError
@@ -155,6 +157,29 @@ def test_a_sharded_draft_service_routes_by_shard_and_names_its_shards_to_the_eng
     assert "ShardRouter" not in str(one._deployment_config.request_router_config)
 
 
+def test_the_hidden_state_drafter_names_its_target_layers_to_the_engine(tmp_path):
+    from moonserve.deployments.draft import drafter_factories
+    from moonserve.deployments.language_model import export_draft_env
+    from moonserve.pipeline.engine.proposer import ENV_HIDDEN_LAYERS
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "hidden_size": 64, "vocab_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "intermediate_size": 96, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 8, "v_head_dim": 8, "target_layer_ids": [0, 7, 13]}))
+    args = local_args()
+    args["draft"].update(mode="service", drafter="dspark_context", model=str(tmp_path))
+    config = AppConfig.model_validate(args)
+    environ = {}
+    export_draft_env(config.draft, "/tmp/x.sock", environ)
+    assert environ[ENV_HIDDEN_LAYERS] == "0,7,13"
+    assert ENV_HIDDEN_LAYERS in environ["VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"]
+    assert "dspark_context" in drafter_factories(config.draft, str(tmp_path), "/target")
+    token_only = AppConfig.model_validate(local_args()).draft
+    export_draft_env(token_only, "/tmp/x.sock", environ)
+    assert environ[ENV_HIDDEN_LAYERS] == ""
+    assert "dspark_context" not in drafter_factories(token_only, "/d", "/target")
+
+
 def test_drains_are_sized_from_the_lanes_and_max_tokens():
     """What Serve is given as each deployment's graceful shutdown (the bound graph's config)."""
     from moonserve.deployments.builder import build_app
@@ -214,6 +239,12 @@ def test_serve_run_path_builds_the_app_from_the_yaml():
      "draft.deployment.autoscaling: each request's context lives in the replica"),
     ({"draft": {"mode": "inline", "drafter": "dspark"}},
      "needs a target checkpoint that ships DSpark weights"),
+    ({"draft": {"mode": "inline", "drafter": "dspark_context"}},
+     "draft.drafter dspark_context is a DraftService drafter"),
+    ({"draft": {"mode": "service", "drafter": "dspark_context"}},
+     "draft.model: drafter dspark_context needs a K3 DSpark checkpoint"),
+    ({"draft": {"mode": "service", "drafter": "dspark_context", "model": "/m/k3-dspark"}},
+     "dspark_context needs language_model.engine.enforce_eager: true"),
     ({"draft": {"ngram_min": 6, "ngram_max": 5}}, "draft.ngram_min (6) is over draft.ngram_max (5)"),
     ({"draft": {"mode": "sometimes"}}, "draft.mode"),
     ({"language_model": {"engine": {"background_priority": 10, "strict_prefill_priority": False}}},

@@ -96,10 +96,15 @@ def test_step_request_keeps_its_wire_format_and_rejects_a_bad_one():
     payload = msgspec.msgpack.encode(request)
     # What DraftCore.step reads (and what the socket carried before the schema).
     assert msgspec.msgpack.decode(payload) == {
-        "seq": 4, "k": 3, "rows": [["a", 0, COPY]], "release": ["b"],
-        "stats": {"calls": 0, "skipped": 0, "missed": 0, "rtt_s": []}}
+        "seq": 4, "k": 3, "rows": [["a", 0, COPY, -1, b""]], "release": ["b"],
+        "stats": {"calls": 0, "skipped": 0, "missed": 0, "rtt_s": []},
+        "hidden_dtype": "bfloat16"}
     decoded = msgspec.msgpack.decode(payload, type=StepRequest)
-    assert decoded == request and msgspec.to_builtins(decoded)["rows"] == [["a", 0, COPY]]
+    assert decoded == request
+    assert msgspec.to_builtins(decoded, builtin_types=(bytes,))["rows"] == [["a", 0, COPY, -1, b""]]
+    # A proposer of an older release sends three-element rows: they still decode.
+    old = msgspec.msgpack.encode({"seq": 1, "k": 3, "rows": [["a", 0, [1]]]})
+    assert msgspec.msgpack.decode(old, type=StepRequest).rows == [Row("a", 0, [1])]
     bad = msgspec.msgpack.encode({"seq": 1, "k": 3, "rows": [["a", "zero", [1]]]})
     with pytest.raises(msgspec.ValidationError, match=r"\$\.rows\[0\]\[1\]"):
         msgspec.msgpack.decode(bad, type=StepRequest)

@@ -1,0 +1,127 @@
+"""`draft.drafter: dspark_context` in a running app: the target's hidden states reach the drafter.
+
+The app is `configs/local.yaml` without vision, with the DraftService drafting from a K3 DSpark
+checkpoint sized to the embedded target. The checkpoint has random weights, is written here, and
+reads target layers 0, 14 and 29. The engine is this module's own and is stopped before the
+session server's starts (tests/engines runs before tests/server).
+
+- Greedy output with the hidden-state drafter equals output with the `none` drafter, and the
+  engine verified drafts, so the drafter really ran.
+- One request alone: the service received a hidden-state row for every token of the request but
+  its last (that one is the anchor of the final step): prompt + completion - 1.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import openai
+import pytest
+import torch
+import yaml
+from safetensors.torch import save_file
+
+from moonserve.pipeline.app.launch import ServerProcess
+from moonserve.pipeline.bench.corpus import copy_prompts
+from moonserve.pipeline.config import DEFAULT_CONFIG
+from moonserve.pipeline.models.dspark import DSparkConfig, DSparkModel
+from tests.conftest import MODEL
+
+HTTP_PORT = 8131
+TOKENS = 24
+TARGET = {"hidden_size": 576, "num_hidden_layers": 30, "vocab_size": 49152}
+
+
+def write_drafter(directory) -> None:
+    """config.json (vLLM's K3DSparkConfig fields) and random weights without the target's
+    embedding and LM head, which the service shares from the target."""
+    config = DSparkConfig(
+        hidden_size=TARGET["hidden_size"], vocab_size=TARGET["vocab_size"], num_hidden_layers=1,
+        num_attention_heads=4, intermediate_size=512, q_lora_rank=64, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, markov_rank=16,
+        mask_token_id=0, target_layer_ids=(0, 14, 29), target_hidden_size=TARGET["hidden_size"],
+        num_target_layers=3, shares_target_embedding=True, max_position_embeddings=8192)
+    torch.manual_seed(0)
+    model = DSparkModel(config, tie_word_embeddings=False, conditioned=True)
+    tensors = {name: (torch.ones_like(p) if name.endswith("norm.weight") else
+                      0.02 * torch.randn_like(p)).contiguous()
+               for name, p in model.state_dict().items()
+               if name not in ("embed_tokens.weight", "lm_head.weight")}
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(
+        {**config.to_dict(), "model_type": "k3_dspark", "dspark_noise_token_id": 0}))
+    save_file(tensors, str(directory / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dspark-context")
+    write_drafter(root / "drafter")
+    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    args = data["applications"][0]["args"]
+    args["vision"] = None
+    args["draft"] = {**args.get("draft", {}), "mode": "service", "drafter": "dspark_context",
+                     "model": str(root / "drafter"), "deadline_ms": 2000.0}
+    config = root / "app.yaml"
+    config.write_text(yaml.safe_dump(data, sort_keys=False))
+    process = ServerProcess(
+        [sys.executable, "-m", "moonserve.pipeline.app.cli", "serve", "--config", str(config),
+         "--port", str(HTTP_PORT), "--dashboard-port", str(HTTP_PORT + 150),
+         "--metrics-export-port", str(HTTP_PORT + 160)],
+        f"http://127.0.0.1:{HTTP_PORT}/health", log_path=root / "serve.log",
+        start_timeout_s=420)
+    process.start()
+    try:
+        yield process
+    finally:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        assert process.interrupt() == 0, process.log_tail()
+
+
+@pytest.fixture(scope="module")
+def handles(app):
+    import ray
+    from ray import serve
+
+    ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+    return (serve.get_deployment_handle("DraftService", app_name="moonserve"),
+            serve.get_deployment_handle("LanguageModel", app_name="moonserve"))
+
+
+@pytest.fixture(scope="module")
+def client(app):
+    return openai.OpenAI(base_url=f"{app.base_url}/v1", api_key="none")
+
+
+def greedy(client, prompt: str):
+    return client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=TOKENS,
+        temperature=0)
+
+
+def test_greedy_output_equals_output_without_drafts(client, handles):
+    draft, lm = handles
+    prompts = copy_prompts(4)
+    draft.set_drafter.remote("none").result()
+    try:
+        without = [greedy(client, p).choices[0].message.content for p in prompts]
+    finally:
+        draft.set_drafter.remote("dspark_context").result()
+    before = lm.stats.remote().result()["num_draft_tokens"]
+    with_drafts = [greedy(client, p).choices[0].message.content for p in prompts]
+    assert with_drafts == without
+    assert lm.stats.remote().result()["num_draft_tokens"] > before, "no drafts were verified"
+
+
+def test_the_service_gets_a_hidden_state_row_for_every_token_but_the_anchor(client, handles):
+    draft, _ = handles
+    before = draft.stats.remote().result()
+    assert before["drafter"] == "dspark_context"
+    usage = greedy(client, copy_prompts(5)[-1]).usage
+    after = draft.stats.remote().result()
+    assert after["num_context_rows"] - before["num_context_rows"] == \
+        usage.prompt_tokens + usage.completion_tokens - 1
