@@ -1,10 +1,13 @@
-"""The DSpark block-drafting model in plain PyTorch, conditioned on tokens only.
+"""The DSpark block-drafting model in plain PyTorch: over tokens only, or (`conditioned=True`) with
+`context_proj` and `context_norm` over the target's hidden states, as K3's DSpark.
 
-The per-request drafter over it (a `Drafter`) is `moonserve.pipeline.speculative.dspark`.
+The drafters over it: `moonserve.pipeline.speculative.dspark` (tokens only, described below) and
+`moonserve.pipeline.speculative.dspark_context` (vLLM's scheme, from the target's hidden states,
+batched across requests).
 
-The scheme follows vLLM's DSpark speculator (`vllm/v1/worker/gpu/spec_decode/dspark/`) and its
-draft models (`qwen3_dspark.py`, K3's dense MLA `dspark_mla.py`), minus what a separate service
-cannot have: the target's hidden states. Per request and `propose(k)`, greedy:
+The token-only scheme follows vLLM's DSpark speculator (`vllm/v1/worker/gpu/spec_decode/dspark/`)
+and its draft models (`qwen3_dspark.py`, K3's dense MLA `dspark_mla.py`), minus the target's hidden
+states. Per request and `propose(k)`, greedy:
 
 1. ONE forward pass over `[context tokens not yet cached (the last is the anchor)] + [k - 1 query
    slots holding the mask embedding]`, causal over the KV cache plus these rows. Real tokens' KV
@@ -15,12 +18,13 @@ cannot have: the target's hidden states. Per request and `propose(k)`, greedy:
    `d_i = argmax(base[i] + markov_w2 @ markov_w1[prev])`; `prev = d_i`
    (`DSparkMarkovHead` of `qwen3_dspark.py`, a rank-`markov_rank` transition bias).
 
-Where this differs from vLLM: vLLM's draft attends to context KV projected from the target's hidden
-states (`context_proj`) and its query block is non-causal; here the context is the drafter's own
-encoding of the tokens and everything is causal, so the drafter is an ordinary small LM over the
-context plus a parallel block. K3 DSpark tensors load by name (`layers.N.self_attn.q_a_proj.weight`,
-..., `final_norm.weight`, `markov_head.markov_w{1,2}.weight`; `context_proj`, `context_norm` and
-`confidence_head` are ignored), but weights trained for vLLM's conditioning would draft poorly here.
+Where the token-only drafter differs from vLLM: vLLM's draft attends to context KV projected from
+the target's hidden states (`context_proj`) and its query block is non-causal; here the context is
+the drafter's own encoding of the tokens and everything is causal, so the drafter is an ordinary
+small LM over the context plus a parallel block. K3 DSpark tensors load by name
+(`layers.N.self_attn.q_a_proj.weight`, ..., `final_norm.weight`, `markov_head.markov_w{1,2}.weight`;
+`context_proj`, `context_norm` and `confidence_head` are ignored), but weights trained for vLLM's
+conditioning draft poorly here: for them, `dspark_context`.
 
 Attention is either DeepSeek-V3/K3 MLA (`attention_type="mla"`: cached as the normalized latent plus
 the shared RoPE key, `kv_lora_rank + qk_rope_head_dim` floats per token and layer, attended with the

@@ -37,31 +37,51 @@ from moonserve.pipeline.models.dspark import (
 from moonserve.pipeline.models.weights import CONFIG_FILE, load_tensors
 
 
-class DSparkState:
-    """One request's context and KV cache (a `DrafterState`); `append` only records tokens."""
+def block_room(config: DSparkConfig, max_model_len: int | None, num_tokens: int, k: int) -> int:
+    """How many of `k` drafts fit after a context of `num_tokens` (0 for an empty context): the
+    last query slot sits at position num_tokens + k - 2, within `max_position_embeddings`, and the
+    drafts within `max_model_len`."""
+    if num_tokens == 0:
+        return 0
+    k = min(k, config.max_position_embeddings - num_tokens + 1)
+    if max_model_len is not None:
+        k = min(k, max_model_len - num_tokens)
+    return k
 
-    def __init__(self, model: DSparkModel, max_model_len: int | None = None):
-        self.model = model
-        self.max_model_len = max_model_len
+
+class TokensAndCache:
+    """A request's token ids and its drafter cache, truncated together."""
+
+    def __init__(self, model: DSparkModel):
         self._token_ids: list[int] = []
-        self._cache = model.new_cache()
+        self.cache = model.new_cache()
 
     @property
     def token_ids(self) -> Sequence[int]:
         return self._token_ids
 
-    @property
-    def num_cached_tokens(self) -> int:
-        return self._cache.num_tokens
-
     def append(self, token_ids: Sequence[int]) -> None:
         self._token_ids.extend(int(t) for t in token_ids)
 
     def truncate(self, num_tokens: int) -> None:
+        """Drop the tokens from `num_tokens` on, and the cache rows of those positions."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         del self._token_ids[num_tokens:]
-        self._cache.truncate(num_tokens)
+        self.cache.truncate(num_tokens)
+
+
+class DSparkState(TokensAndCache):
+    """One request's context and KV cache (a `DrafterState`); `append` only records tokens."""
+
+    def __init__(self, model: DSparkModel, max_model_len: int | None = None):
+        super().__init__(model)
+        self.model = model
+        self.max_model_len = max_model_len
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.cache.num_tokens
 
     @torch.inference_mode()
     def propose(self, num_speculative_tokens: int) -> list[int]:
@@ -80,21 +100,15 @@ class DSparkState:
         if num_tokens == 0 or k < 1:
             raise ValueError(f"a block needs a context and k >= 1, got {num_tokens} tokens, k={k}")
         # The anchor's hidden state is needed even when its KV is cached (a repeated propose).
-        self._cache.truncate(num_tokens - 1)
-        new_ids = self._token_ids[self._cache.num_tokens :]
-        hidden = self.model(self.model.embed_block(new_ids, k - 1), self._cache)
-        self._cache.truncate(num_tokens)  # keep the real tokens' KV, drop the query slots'
+        self.cache.truncate(num_tokens - 1)
+        new_ids = self._token_ids[self.cache.num_tokens :]
+        hidden = self.model(self.model.embed_block(new_ids, k - 1), self.cache)
+        self.cache.truncate(num_tokens)  # keep the real tokens' KV, drop the query slots'
         return self.model.compute_logits(hidden[len(new_ids) - 1 :])
 
     def _capped_k(self, k: int) -> int:
-        num_tokens = len(self._token_ids)
-        if num_tokens == 0:
-            return 0
-        # The last query slot sits at position num_tokens + k - 2.
-        k = min(k, self.model.config.max_position_embeddings - num_tokens + 1)
-        if self.max_model_len is not None:
-            k = min(k, self.max_model_len - num_tokens)
-        return k
+        return block_room(self.model.config, self.max_model_len, len(self._token_ids), k)
+
 
 class DSparkDrafter:
     """DSpark block `Drafter`: one model shared by every request's `DSparkState`.

@@ -56,6 +56,7 @@ from moonserve.pipeline.models.dspark import (
     rope_cos_sin,
 )
 from moonserve.pipeline.models.weights import CONFIG_FILE, load_tensors
+from moonserve.pipeline.speculative.dspark import TokensAndCache, block_room
 
 
 class MissingContextError(ValueError):
@@ -69,35 +70,21 @@ class MissingContextError(ValueError):
                          f"{num_context}")
 
 
-class ContextState:
+class ContextState(TokensAndCache):
     """One request: its token ids and its context cache rows `[0, num_context)`, per layer.
 
     Invariant kept by the caller (the target's proposer): context rows exist only for tokens the
-    target has run, so at most `len(token_ids) - 1` (the last token is the anchor).
+    target has run, so at most `len(token_ids) - 1` (the last token is the anchor). Truncating
+    the tokens drops the context rows of the dropped positions.
     """
 
     def __init__(self, drafter: ContextDSparkDrafter):
+        super().__init__(drafter.model)
         self.drafter = drafter
-        self._token_ids: list[int] = []
-        self.cache = drafter.model.new_cache()
-
-    @property
-    def token_ids(self) -> Sequence[int]:
-        return self._token_ids
 
     @property
     def num_context(self) -> int:
         return self.cache.num_tokens
-
-    def append(self, token_ids: Sequence[int]) -> None:
-        self._token_ids.extend(int(t) for t in token_ids)
-
-    def truncate(self, num_tokens: int) -> None:
-        """Drop tokens from `num_tokens` on, and the context rows of those positions."""
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        del self._token_ids[num_tokens:]
-        self.cache.truncate(num_tokens)
 
     def propose(self, num_speculative_tokens: int) -> list[int]:
         """A batch of one (`ContextDSparkDrafter.propose_batch`)."""
@@ -218,14 +205,7 @@ class ContextDSparkDrafter:
         return torch.tensor([s.token_ids[-1] for s in states], dtype=torch.long, device=device)
 
     def _room(self, state: ContextState, k: int) -> int:
-        num_tokens = len(state.token_ids)
-        if num_tokens == 0:
-            return 0
-        # The last query slot sits at position num_tokens + k - 2.
-        k = min(k, self.config.max_position_embeddings - num_tokens + 1)
-        if self.max_model_len is not None:
-            k = min(k, self.max_model_len - num_tokens)
-        return k
+        return block_room(self.config, self.max_model_len, len(state.token_ids), k)
 
 
 def pad_rows(layers: Sequence[LayerKV], length: int, width: int,

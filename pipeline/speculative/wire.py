@@ -9,11 +9,11 @@ to find a shard's replica it asks the LM replica's resolver with an `EndpointQue
 
 On the wire a request is the map `{"seq", "k", "rows", "release", "stats", "hidden_dtype"}`, each
 row the array `[request_id, position, [new token ids], hidden_start, hidden bytes]` (the last two
--1 and empty without the target's hidden states); the DraftService's handler
-gets exactly that as plain Python (`msgspec.to_builtins` keeping bytes, see `DraftCore.step`). `position` is how many context tokens the
-proposer believes the service holds (see `moonserve.pipeline.speculative.sessions`); a row whose
-position is ahead of the service (lost call, service restarted) comes back with `resend_from` and
-no drafts.
+-1 and empty without the target's hidden states); the DraftService's handler gets exactly that as
+plain Python (`msgspec.to_builtins` keeping bytes, see `DraftCore.step`). `position` is how many
+context tokens the proposer believes the service holds (see
+`moonserve.pipeline.speculative.sessions`); a row whose position is ahead of the service (lost
+call, service restarted) comes back with `resend_from` and no drafts.
 
 Example:
     >>> payload = msgspec.msgpack.encode(StepRequest(seq=1, k=2, rows=[Row("r1", 0, [4, 5, 6, 4])]))

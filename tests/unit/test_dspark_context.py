@@ -4,7 +4,8 @@ vLLM's DSpark speculator runs only on a GPU (Triton kernels, CUDA graphs, the v2
 so `VllmDSpark` below ports its drafting step by step: `K3DSparkModel.combine_hidden_states`,
 `precompute_and_store_context_kv`, `K3DSparkDecoderLayer.forward`, MLA attention (here unabsorbed:
 `kv_b_proj` expands the latent into per-head keys and values), the query layout of
-`_prepare_dflash_inputs_kernel` with `SAMPLE_FROM_ANCHOR`, and `DSparkSpeculator._sample_sequential`.
+`_prepare_dflash_inputs_kernel` with `SAMPLE_FROM_ANCHOR`, and
+`DSparkSpeculator._sample_sequential`.
 It uses vLLM's own `RMSNorm`, rotary embedding (`get_rope`, `is_neox_style=False` as K3's MLA
 builds it), `DSparkMarkovHead` and `LogitsProcessor`. The weights carry the names
 `K3DSparkForCausalLM.load_weights` reads, and the config is checked by vLLM's `K3DSparkConfig`.
