@@ -12,7 +12,9 @@ client sends from a proposer's socket (`connect_step_socket`). Per batch size:
   is the steady state at one accepted draft per step.
 
 Reported per batch: request bytes per decode step and per row, round trip p50/p99 (send to
-reply), and the service's own step time p50 (the drafter's one pass included). `bytes_per_step_k3`
+reply), and the service's own step time p50 (the drafter's one pass included).
+`per_request_passes` repeats it with the same model drafting one request per forward pass, as the
+DraftService drafted before batching: what the one pass per step buys. `bytes_per_step_k3`
 encodes the same decode step at K3's production widths (`K3_TARGET_HIDDEN` x `K3_TARGET_LAYERS`,
 bfloat16) without drafting: what the wire carries on a GPU node.
 """
@@ -95,6 +97,12 @@ def hidden_bytes(num_tokens: int, width: int, generator: torch.Generator) -> byt
             .view(torch.int16).numpy().tobytes())
 
 
+class PerRequestDrafter(ContextDSparkDrafter):
+    """The same drafter, drafting one request per forward pass (the comparison arm)."""
+
+    batched = False
+
+
 def run_batch(drafter: ContextDSparkDrafter, batch: int, steps: int, k: int) -> dict:
     width = drafter.config.context_width
     core = DraftCore({"dspark_context": lambda: drafter}, "dspark_context",
@@ -158,6 +166,7 @@ def measure(steps: int, k: int, batches: tuple[int, ...] = BATCHES) -> dict:
     """The bench section: per batch size, see the module doc."""
     torch.set_num_threads(1)  # as the DraftService runs it
     drafter = smoke_drafter()
+    per_request = PerRequestDrafter(drafter.model)
     c = drafter.config
     return {"drafter": {"hidden_size": c.hidden_size, "num_hidden_layers": c.num_hidden_layers,
                         "kv_lora_rank": c.kv_lora_rank, "context_width": c.context_width,
@@ -165,4 +174,5 @@ def measure(steps: int, k: int, batches: tuple[int, ...] = BATCHES) -> dict:
             "hidden_dtype": "bfloat16", "new_tokens_per_row": NEW_TOKENS,
             "prompt_tokens": PROMPT_TOKENS, "k": k,
             "k3_context_width": K3_TARGET_HIDDEN * K3_TARGET_LAYERS,
-            "batches": [run_batch(drafter, b, steps, k) for b in batches]}
+            "batches": [run_batch(drafter, b, steps, k) for b in batches],
+            "per_request_passes": [run_batch(per_request, b, steps, k) for b in batches]}

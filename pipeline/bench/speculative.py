@@ -282,8 +282,9 @@ def print_hidden_steps(section: dict | None) -> None:
     print(f"draft steps with hidden states (k={section['k']}, {section['new_tokens_per_row']} "
           f"new tokens per row, {section['hidden_dtype']}):")
     print(f"{'batch':>5} {'bytes/step':>11} {'bytes/row':>9} {'rtt p50 ms':>10} "
-          f"{'rtt p99 ms':>10} {'service ms':>10} {'K3 bytes/step':>13}")
-    for b in section["batches"]:
+          f"{'rtt p99 ms':>10} {'service ms':>10} {'K3 bytes/step':>13} {'1 pass/request':>14}")
+    for b, one in zip(section["batches"], section["per_request_passes"], strict=True):
         print(f"{b['batch']:>5} {b['bytes_per_step']:>11.0f} {b['bytes_per_row']:>9.0f} "
               f"{b['round_trip_ms_p50']:>10.1f} {b['round_trip_ms_p99']:>10.1f} "
-              f"{b['service_step_ms_p50']:>10.1f} {b['bytes_per_step_k3']:>13}")
+              f"{b['service_step_ms_p50']:>10.1f} {b['bytes_per_step_k3']:>13} "
+              f"{one['round_trip_ms_p50']:>14.1f}")

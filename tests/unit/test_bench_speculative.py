@@ -62,5 +62,7 @@ def test_hidden_state_steps_carry_each_rows_hidden_states_through_a_step_server(
         k3_row = hidden_steps.NEW_TOKENS * section["k3_context_width"] * 2
         assert b["batch"] * k3_row < b["bytes_per_step_k3"] < b["batch"] * (k3_row + 200)
         assert 0 < b["service_step_ms_p50"] <= b["round_trip_ms_p50"]
+    assert [b["bytes_per_step"] for b in section["per_request_passes"]] == \
+        [b["bytes_per_step"] for b in section["batches"]]  # the same steps, drafted apart
     assert parse().hidden_state_steps == 20
     assert parse("--hidden-state-steps", "0").hidden_state_steps == 0

@@ -1,0 +1,174 @@
+"""An encoder-cache store on node-local memory, and the vLLM EC connector that reads and writes it.
+
+vLLM's disaggregated encoder (`ECTransferConfig`): an `ec_producer` engine runs only the vision
+tower + projector and saves each item's output, keyed by the item's identifier (its
+`multi_modal_uuids` entry when the request has one, else vLLM's content hash); an `ec_consumer`
+engine that finds the key loads that tensor into its encoder cache instead of running the tower,
+and falls back to running it on a miss. `MoonserveECConnector` is vLLM's `ECExampleConnector`
+(vllm/distributed/ec_transfer/ec_connector/example_connector.py) with three changes: the store
+defaults to `/dev/shm` (node-local shared memory, so producer and consumer must share a node),
+writes are atomic (a reader never sees half a file), and checking a key creates nothing (the
+example connector makes an empty directory for every hash it looks up).
+
+Store layout: `<store>/<key>/encoder_cache.safetensors`, one tensor `ec_cache`
+[num_image_tokens, text_hidden_size] in the engine's dtype; the file's mtime is its last use.
+
+API (all that other modules should use):
+
+- `ec_transfer_config(role, store=DEFAULT_STORE, max_bytes=None) -> ECTransferConfig`: what an
+  engine passes to vLLM (`role` "ec_producer", "ec_consumer" or "ec_both"); vLLM's
+  `ECConnectorFactory` imports this module by `ec_connector_module_path`, in every engine process.
+  With `max_bytes`, the producer evicts the least recently used entries after each save.
+- `store_path(store, key) -> Path`: the file of one entry.
+- `put(store, key, tensor) -> Path`: write an entry atomically (temp file + rename).
+- `has(store, key) -> bool`; `get(store, key, device="cpu") -> Tensor` (marks the entry used).
+- `evict(store, max_bytes, keep_newer_than_s=60.0) -> list[str]`: drop least recently used
+  entries until the store holds at most `max_bytes`; entries used in the last `keep_newer_than_s`
+  stay (a consumer's scheduler may have promised them to its worker).
+
+Example:
+    >>> import tempfile, torch
+    >>> store = Path(tempfile.mkdtemp())
+    >>> _ = put(store, "img-1", torch.ones(9, 256, dtype=torch.bfloat16))
+    >>> has(store, "img-1"), get(store, "img-1").shape, has(store, "img-2")
+    (True, torch.Size([9, 256]), False)
+    >>> evict(store, max_bytes=0, keep_newer_than_s=0)
+    ['img-1']
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import safetensors.torch
+import torch
+from vllm.config import ECTransferConfig
+from vllm.distributed.ec_transfer.ec_connector.example_connector import ECExampleConnector
+
+DEFAULT_STORE = Path("/dev/shm/moonserve-ec")
+ENTRY_FILE = "encoder_cache.safetensors"
+TENSOR_NAME = "ec_cache"  # the name ECExampleConnector.start_load_caches reads
+
+
+def ec_transfer_config(role: str, store: str | Path = DEFAULT_STORE,
+                       max_bytes: int | None = None) -> ECTransferConfig:
+    """The `ec_transfer_config` engine argument that selects `MoonserveECConnector`."""
+    extra: dict = {"shared_storage_path": str(store)}
+    if max_bytes is not None:
+        extra["max_bytes"] = max_bytes
+    return ECTransferConfig(ec_connector=MoonserveECConnector.__name__, ec_role=role,
+                            ec_connector_module_path=__name__, ec_connector_extra_config=extra)
+
+
+def store_path(store: str | Path, key: str) -> Path:
+    """`<store>/<key>/encoder_cache.safetensors`; the key must be one path component."""
+    if not key or key in (".", "..") or "/" in key or "\0" in key:
+        raise ValueError(f"encoder cache key {key!r} is not a valid file name "
+                         "(no '/', not '.' or '..')")
+    return Path(store) / key / ENTRY_FILE
+
+
+def put(store: str | Path, key: str, tensor: torch.Tensor) -> Path:
+    """Write `tensor` [num_tokens, hidden] under `key`: a temp file beside the entry, renamed."""
+    path = store_path(store, key)
+    tmp = temp_file(path.parent)
+    try:
+        safetensors.torch.save_file({TENSOR_NAME: tensor.detach().cpu().contiguous()}, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def temp_file(folder: Path) -> str:
+    for attempt in range(2):
+        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".", suffix=".tmp")
+        except FileNotFoundError:  # `evict` removed the folder between mkdir and mkstemp
+            if attempt:
+                raise
+            continue
+        os.close(fd)
+        return tmp
+
+
+def has(store: str | Path, key: str) -> bool:
+    return store_path(store, key).is_file()
+
+
+def get(store: str | Path, key: str, device: str | torch.device = "cpu") -> torch.Tensor:
+    """The tensor under `key` (FileNotFoundError if there is none); marks the entry used."""
+    path = store_path(store, key)
+    tensor = safetensors.torch.load_file(path, device=str(device))[TENSOR_NAME]
+    touch(path)
+    return tensor
+
+
+def touch(path: Path) -> bool:
+    """Mark an entry used now (its LRU time); False if it does not exist."""
+    try:
+        os.utime(path)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def evict(store: str | Path, max_bytes: int, keep_newer_than_s: float = 60.0) -> list[str]:
+    """Remove least recently used entries until the store's entries total <= `max_bytes`."""
+    entries = []  # (mtime, size, path)
+    for path in Path(store).glob(f"*/{ENTRY_FILE}"):
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            continue  # evicted by another process meanwhile
+        entries.append((stat.st_mtime, stat.st_size, path))
+    total = sum(size for _, size, _ in entries)
+    cutoff = time.time() - keep_newer_than_s
+    evicted = []
+    for mtime, size, path in sorted(entries):
+        if total <= max_bytes or mtime > cutoff:
+            break
+        path.unlink(missing_ok=True)
+        remove_empty_dir(path.parent)
+        total -= size
+        evicted.append(path.parent.name)
+    return evicted
+
+
+def remove_empty_dir(directory: Path) -> None:
+    try:
+        directory.rmdir()
+    except OSError:
+        pass  # a writer's temp file is in it, or it is gone already
+
+
+class MoonserveECConnector(ECExampleConnector):
+    """ECExampleConnector on `put`/`has`/`get`'s store. Extra config: `shared_storage_path`
+    (default `DEFAULT_STORE`), `max_bytes` (the producer's LRU bound; none by default)."""
+
+    def __init__(self, vllm_config, role):
+        super().__init__(vllm_config=vllm_config, role=role)
+        transfer = vllm_config.ec_transfer_config
+        self._storage_path = transfer.get_from_extra_config("shared_storage_path",
+                                                            str(DEFAULT_STORE))
+        self._max_bytes = transfer.get_from_extra_config("max_bytes", None)
+
+    def has_cache_item(self, identifier: str) -> bool:
+        # Scheduler side; a hit counts as a use, so `evict` spares what the worker will load.
+        return touch(store_path(self._storage_path, identifier))
+
+    def save_caches(self, encoder_cache, mm_hash, **kwargs) -> None:
+        if not self.is_producer:
+            return
+        put(self._storage_path, mm_hash, encoder_cache[mm_hash])
+        if self._max_bytes is not None:
+            evict(self._storage_path, self._max_bytes)
+
+    def _generate_filename_debug(self, mm_hash: str) -> str:
+        # The base's version creates the folder; start_load_caches only reads found entries.
+        return str(store_path(self._storage_path, mm_hash))
