@@ -14,6 +14,7 @@ session server's starts (tests/engines runs before tests/server).
 from __future__ import annotations
 
 import json
+import multiprocessing
 import sys
 
 import openai
@@ -75,21 +76,29 @@ def app(tmp_path_factory):
     try:
         yield process
     finally:
-        import ray
-
-        if ray.is_initialized():
-            ray.shutdown()
         assert process.interrupt() == 0, process.log_tail()
 
 
-@pytest.fixture(scope="module")
-def handles(app):
+def call_deployment(deployment: str, method: str, args: tuple):
+    """A Serve handle call, in the `serve_calls` child process."""
     import ray
     from ray import serve
 
-    ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
-    return (serve.get_deployment_handle("DraftService", app_name="moonserve"),
-            serve.get_deployment_handle("LanguageModel", app_name="moonserve"))
+    if not ray.is_initialized():
+        ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+    handle = serve.get_deployment_handle(deployment, app_name="moonserve")
+    return getattr(handle, method).remote(*args).result(timeout_s=120)
+
+
+@pytest.fixture(scope="module")
+def serve_calls(app):
+    """Serve handle calls made from a child process, which goes with the module. A handle in the
+    test process would keep Serve's client state for this app's cluster, and the session server's
+    handles in later tests would then wait on replicas that are gone."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        yield lambda deployment, method, *args: pool.apply(call_deployment,
+                                                           (deployment, method, args))
+        pool.terminate()
 
 
 @pytest.fixture(scope="module")
@@ -103,25 +112,24 @@ def greedy(client, prompt: str):
         temperature=0)
 
 
-def test_greedy_output_equals_output_without_drafts(client, handles):
-    draft, lm = handles
+def test_greedy_output_equals_output_without_drafts(client, serve_calls):
     prompts = copy_prompts(4)
-    draft.set_drafter.remote("none").result()
+    serve_calls("DraftService", "set_drafter", "none")
     try:
         without = [greedy(client, p).choices[0].message.content for p in prompts]
     finally:
-        draft.set_drafter.remote("dspark_context").result()
-    before = lm.stats.remote().result()["num_draft_tokens"]
+        serve_calls("DraftService", "set_drafter", "dspark_context")
+    before = serve_calls("LanguageModel", "stats")["num_draft_tokens"]
     with_drafts = [greedy(client, p).choices[0].message.content for p in prompts]
     assert with_drafts == without
-    assert lm.stats.remote().result()["num_draft_tokens"] > before, "no drafts were verified"
+    assert serve_calls("LanguageModel", "stats")["num_draft_tokens"] > before, \
+        "no drafts were verified"
 
 
-def test_the_service_gets_a_hidden_state_row_for_every_token_but_the_anchor(client, handles):
-    draft, _ = handles
-    before = draft.stats.remote().result()
+def test_the_service_gets_a_hidden_state_row_for_every_token_but_the_anchor(client, serve_calls):
+    before = serve_calls("DraftService", "stats")
     assert before["drafter"] == "dspark_context"
     usage = greedy(client, copy_prompts(5)[-1]).usage
-    after = draft.stats.remote().result()
+    after = serve_calls("DraftService", "stats")
     assert after["num_context_rows"] - before["num_context_rows"] == \
         usage.prompt_tokens + usage.completion_tokens - 1
