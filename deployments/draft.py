@@ -38,21 +38,23 @@ def drafter_factories(config: DraftConfig, draft_model_path: str, target_path: s
     `draft_model_path`, embedding and LM head shared from the target checkpoint at `target_path`),
     `none` (no drafts: speculation paused) and, when it is the configured drafter,
     `dspark_context` (K3 DSpark over the target's hidden states, same weights path)."""
-    def dspark():
+    def device() -> str:
         import torch
 
+        return "cuda" if config.num_gpus and torch.cuda.is_available() else "cpu"
+
+    def dspark():
         from moonserve.pipeline.models.dspark import target_shared_tensors
         from moonserve.pipeline.speculative.dspark import DSparkDrafter
 
-        device = "cuda" if config.num_gpus and torch.cuda.is_available() else "cpu"
-        return DSparkDrafter.from_pretrained(draft_model_path, device=device,
+        return DSparkDrafter.from_pretrained(draft_model_path, device=device(),
                                              shared=target_shared_tensors(target_path))
 
     def dspark_context():
         from moonserve.pipeline.models.dspark import target_shared_tensors
         from moonserve.pipeline.speculative.dspark_context import ContextDSparkDrafter
 
-        return ContextDSparkDrafter.from_pretrained(draft_model_path,
+        return ContextDSparkDrafter.from_pretrained(draft_model_path, device=device(),
                                                     shared=target_shared_tensors(target_path))
 
     drafters = {"ngram": lambda: NgramDrafter(min_n=config.ngram_min, max_n=config.ngram_max),

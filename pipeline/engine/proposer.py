@@ -25,7 +25,11 @@ named by `MOONSERVE_DRAFT_SOCKET`; `moonserve.pipeline.speculative.endpoint`);
   one shard by its id, and a step sends one message per shard (`ShardedDraftClient`), all in
   flight together; each shard is one `DraftClient` as above, its replica found by shard.
 - Tensor parallelism: rank 0 calls and broadcasts its drafts over the TP group's CPU group, so every
-  rank returns identical drafts.
+  rank returns identical drafts. The other ranks wait at most as long as rank 0, never longer than
+  the deadline.
+- The target's hidden states (`MOONSERVE_DRAFT_HIDDEN_LAYERS`, for the `dspark_context` drafter):
+  forward hooks on those decoder layers keep them (`HiddenCapture`); each row carries the ones
+  the target accepted since the service last confirmed (`HiddenStates`).
 
 Example (what vLLM does with it):
     >>> LLM(model, speculative_config={"method": "custom_class", "num_speculative_tokens": 4,
@@ -449,9 +453,11 @@ class HiddenStates:
         self.given_up.add(request_id)
         return False
 
-    def forget(self, request_id: str) -> None:
-        self.unsent.pop(request_id, None)
-        self.given_up.discard(request_id)
+    def keep_only(self, live: set[str]) -> None:
+        """Forget the requests that left the batch (a prefill may end without a row sent)."""
+        for request_id in [r for r in self.unsent if r not in live]:
+            del self.unsent[request_id]
+        self.given_up &= live
 
 
 def hidden_payload(rows) -> tuple[str, bytes]:
@@ -553,8 +559,8 @@ class ServiceProposer:
         release = [r for r in self.sent if r not in live]
         for request_id in release:
             del self.sent[request_id]
-            if hidden is not None:
-                hidden.forget(request_id)
+        if hidden is not None:
+            hidden.keep_only(live)
         if not rows and not release:
             return drafts
         reply = self.client.call(StepRequest(k=self.k, rows=rows, release=release,
@@ -572,6 +578,6 @@ class ServiceProposer:
                     hidden.confirmed(row.request_id)
             elif hidden is None or hidden.can_resend(row.request_id, resend):
                 self.sent[row.request_id] = resend
-            else:  # its context cannot be rebuilt: no more drafts, and the service forgets it
+            else:  # its context cannot be rebuilt: no more drafts; released when it leaves
                 self.sent[row.request_id] = 0
         return drafts

@@ -108,8 +108,10 @@ def test_a_resend_the_proposer_cannot_serve_gives_the_request_up():
     assert states.can_resend("a", 6)  # hidden states from position 5: still here
     assert not states.can_resend("a", 3)  # from 2: confirmed and dropped earlier
     assert "a" in states.given_up and "a" not in states.unsent
-    states.forget("a")
-    assert "a" not in states.given_up
+    states.unsent["b"] = UnsentHidden(0, [torch.zeros(3, HIDDEN)])  # a prefill, no row sent yet
+    states.unsent["c"] = UnsentHidden(0, [torch.zeros(3, HIDDEN)])
+    states.keep_only({"c"})  # a and b left the batch
+    assert (states.given_up, list(states.unsent)) == (set(), ["c"])
 
 
 def test_unsent_rows_rerun_from_a_position_replace_what_follows():
