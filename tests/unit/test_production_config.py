@@ -327,5 +327,5 @@ def test_the_draft_socket_joins_the_copy_list_the_config_gave():
     export_draft_env(load_app_config(PRODUCTION).draft, "/tmp/b.sock", environ)  # no duplicates
     assert environ[RAY_COPY_LIST] == \
         "SAFETENSORS_FAST_GPU,MOONSERVE_DRAFT_SOCKET,MOONSERVE_DRAFT_DEADLINE_MS," \
-        "MOONSERVE_DRAFT_SHARDS"
+        "MOONSERVE_DRAFT_SHARDS,MOONSERVE_DRAFT_HIDDEN_LAYERS"
     assert environ["MOONSERVE_DRAFT_SOCKET"] == "/tmp/b.sock"
