@@ -192,10 +192,13 @@ def test_sampled_tokens_follow_the_exact_distribution_with_and_without(server, c
     p = homogeneity_pvalue(with_spec, without)
     assert p > 1e-3, f"with and without speculation differ (p={p:.2g})"
     # Power: these samples tell the exact distribution from the one a verifier that accepted
-    # every " orbit" draft would give (all of " lantern ..." moved to the copy).
-    lossy = Counter({t: p for t, p in exact.items() if not t.startswith(FIRST)})
-    lossy[COPY] = sum(p for t, p in exact.items() if t.startswith(FIRST))
-    p = fit_pvalue(with_spec, lossy)
+    # every " orbit" draft would give (all of " lantern ..." moved to the copy). The count of the
+    # copy alone does (binomial); the chi-square above pools that verifier's missing texts into
+    # one bin and gave p = 0.0018 once on 57 copies in 200, against 93 expected.
+    from scipy.stats import binomtest
+
+    lossy_copy = sum(p for t, p in first_texts.items() if t.startswith(FIRST))
+    p = binomtest(with_spec.count(COPY), len(with_spec), lossy_copy).pvalue
     assert p < 1e-3, f"the test cannot tell a lossy verifier's distribution apart (p={p:.2g})"
 
 
