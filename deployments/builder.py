@@ -15,11 +15,11 @@ from ray.serve import Application
 
 from moonserve.deployments.admission import LaneAdmission
 from moonserve.deployments.draft import DraftService
-from moonserve.deployments.language_model import LanguageModel
+from moonserve.deployments.language_model import ImageInput, LanguageModel
 from moonserve.deployments.preprocess import ImagePreprocessor
 from moonserve.deployments.rate_limiter import RateLimiter
 from moonserve.deployments.router import Router
-from moonserve.deployments.vision import VisionEncoder
+from moonserve.deployments.vision import EngineVisionEncoder, VisionEncoder
 from moonserve.pipeline.api.auth import ApiKeys, keys_from_env
 from moonserve.pipeline.config import (
     EMBEDDED_MODEL,
@@ -128,14 +128,21 @@ def cpu_options(options: DeploymentOptions, num_gpus: float = 0.0,
     return {**options.serve_options(drain_s), "ray_actor_options": actor}
 
 
-def bind_vision(vision: VisionConfig, lm_path: str) -> tuple[Application, Application]:
+def bind_vision(vision: VisionConfig, lm: LanguageModelConfig,
+                lm_path: str) -> tuple[Application, Application]:
+    """The ImagePreprocessor and VisionEncoder; with `handover: encoder_cache` the encoder is an
+    encoder-only vLLM engine on the LM's own checkpoint (`EngineVisionEncoder`)."""
+    engine_cache = vision.handover == "encoder_cache"
     preprocessor = serve.deployment(
         ImagePreprocessor, name="ImagePreprocessor",
-        **cpu_options(vision.preprocessor.deployment)).bind(vision.preprocessor)
-    encoder = serve.deployment(
-        VisionEncoder, name="VisionEncoder",
-        **cpu_options(vision.encoder.deployment, vision.encoder.num_gpus),
-    ).bind(vision.encoder, resolve_encoder_path(vision.encoder, lm_path))
+        **cpu_options(vision.preprocessor.deployment)).bind(vision.preprocessor, engine_cache)
+    options = cpu_options(vision.encoder.deployment, vision.encoder.num_gpus)
+    if engine_cache:
+        encoder = serve.deployment(EngineVisionEncoder, name="VisionEncoder", **options).bind(
+            vision.encoder, lm.engine, lm_path)
+    else:
+        encoder = serve.deployment(VisionEncoder, name="VisionEncoder", **options).bind(
+            vision.encoder, resolve_encoder_path(vision.encoder, lm_path))
     return preprocessor, encoder
 
 
@@ -160,12 +167,13 @@ def bind_draft_service(config: DraftConfig, lm_path: str,
 
 
 def bind_language_model(config: LanguageModelConfig, model_path: str, draft: DraftConfig,
-                        drain_s: float | None = None) -> Application:
+                        drain_s: float | None = None,
+                        images: ImageInput | None = None) -> Application:
     draft_service = bind_draft_service(draft, model_path, drain_s) \
         if draft.mode == "service" else None
     return serve.deployment(
         LanguageModel, name="LanguageModel", **language_model_options(config, drain_s)
-    ).bind(config, model_path, draft, draft_service)
+    ).bind(config, model_path, draft, draft_service, images)
 
 
 def build_app(args: AppConfig) -> Application:
@@ -173,12 +181,15 @@ def build_app(args: AppConfig) -> Application:
     The Router, LanguageModel and DraftService drain for `args.drain_s()` when stopped."""
     model_path = resolve_model_path(args.language_model)
     drain_s = args.drain_s()
-    language_model = bind_language_model(args.language_model, model_path, args.draft, drain_s)
+    images = None if args.vision is None or args.vision.handover != "encoder_cache" else \
+        ImageInput(args.vision.encoder.store, args.router.limits.max_images)
+    language_model = bind_language_model(args.language_model, model_path, args.draft, drain_s,
+                                         images)
     trust = args.language_model.engine.trust_remote_code
     chat = args.language_model.chat
     if args.vision is None:
         return bind_router(args.router, language_model, model_path, trust_remote_code=trust,
                            chat=chat, drain_s=drain_s)
-    preprocessor, encoder = bind_vision(args.vision, model_path)
+    preprocessor, encoder = bind_vision(args.vision, args.language_model, model_path)
     return bind_router(args.router, language_model, model_path, args.vision, preprocessor, encoder,
                        trust, chat, drain_s)

@@ -99,8 +99,31 @@ def executor_backend(engine: EngineConfig) -> str | None:
     return "mp" if current_platform.is_cpu() else "ray"
 
 
+@dataclass(frozen=True)
+class ImageInput:
+    """`vision.handover: encoder_cache` as the LanguageModel sees it: the node-local store its
+    engine (`ec_consumer`) reads the VisionEncoder's outputs from, and the most images one prompt
+    may carry (the router's `limits.max_images`; vLLM's `limit_mm_per_prompt`)."""
+
+    store: str
+    max_images: int
+
+
+def image_engine_args(images: ImageInput | None, modality: str | None) -> dict:
+    """The engine arguments of an `ec_consumer` engine; {} without images."""
+    if images is None:
+        return {}
+    from moonserve.pipeline.engine.ec_connector import ec_transfer_config
+
+    return {"ec_transfer_config": ec_transfer_config("ec_consumer", images.store),
+            "limit_mm_per_prompt": {modality: images.max_images}}
+
+
 def engine_args(engine: EngineConfig, model_path: str, draft: DraftConfig | None = None,
-                reasoning_parser: str | None = None):
+                reasoning_parser: str | None = None, images: ImageInput | None = None,
+                modality: str | None = None):
+    """`images` and `modality` (its model's `ImageFormat.modality`): vision.handover
+    encoder_cache."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     scheduler = engine.scheduler_cls()
@@ -134,7 +157,9 @@ def engine_args(engine: EngineConfig, model_path: str, draft: DraftConfig | None
         mm_encoder_tp_mode=engine.mm_encoder_tp_mode,
         compilation_config=engine.compilation_config(),
         speculative_config=draft.speculative_config() if draft is not None else None,
+        worker_extension_cls=engine.worker_extension_cls or "",
         disable_log_stats=False,
+        **image_engine_args(images, modality),
     )
 
 
@@ -242,20 +267,28 @@ class LanguageModel:
     """One vLLM engine. `generate` streams `GenerationDelta`s; cancelling it aborts the request.
 
     `draft` picks speculative decoding (moonserve.pipeline.config.DraftConfig); with `mode: service`,
-    `draft_service` is the DraftService handle the engine's proposer drafts through.
+    `draft_service` is the DraftService handle the engine's proposer drafts through. `images`:
+    with `vision.handover: encoder_cache`, images reach the engine as multimodal inputs whose
+    encoder outputs it loads from `images.store` (else, as rows spliced into prompt embeddings).
     """
 
     def __init__(self, config: LanguageModelConfig, model_path: str,
-                 draft: DraftConfig | None = None, draft_service=None):
+                 draft: DraftConfig | None = None, draft_service=None,
+                 images: ImageInput | None = None):
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+        from moonserve.pipeline.engine.image_format import image_format
 
         self.config = config
         self.load = EngineLoad()
         self.senders = OutputSenders()  # connections to the Routers' output channels
+        self.images = images
+        self.image_format = None if images is None else image_format(model_path)
         self.resolver = start_draft_resolver(draft, draft_service) if draft is not None else None
         self.engine = AsyncLLM.from_engine_args(
-            engine_args(config.engine, model_path, draft, config.chat.reasoning.parser),
+            engine_args(config.engine, model_path, draft, config.chat.reasoning.parser, images,
+                        self.image_format and self.image_format.modality),
             # vLLM's own metrics (vllm:* -> ray_vllm_*) through Ray's metrics agent.
             stat_loggers=[load_logger_factory(self.load), RayPrometheusStatLogger],
         )
@@ -271,11 +304,14 @@ class LanguageModel:
         )
 
     def prompt(self, request: GenerateRequest, image_embeds: tuple):
-        """Token ids for text; `prompt_embeds` [seq, hidden] with the images spliced in."""
+        """Token ids for text; with images, `prompt_embeds` [seq, hidden] with the images spliced
+        in, or (encoder_cache) the images themselves (`image_prompt`)."""
         from vllm.inputs import EmbedsPrompt, TokensPrompt
 
         if not image_embeds:
             return TokensPrompt(prompt_token_ids=request.prompt_token_ids)
+        if self.images is not None:
+            return self.image_prompt(request, image_embeds)
         import torch
 
         from moonserve.pipeline.engine.splice import splice_image_embeddings
@@ -288,10 +324,30 @@ class LanguageModel:
                                          [torch.from_numpy(np.array(e)) for e in image_embeds])
         return EmbedsPrompt(prompt_embeds=embeds)
 
+    def image_prompt(self, request: GenerateRequest, images: tuple):
+        """`vision.handover: encoder_cache`: each image's run of placeholders back to one token
+        (vLLM's processor expands it again, by its own count), and the images under their keys.
+        An encoder output missing from this node's store (the encoder ran on another node) is
+        fetched and stored first, so the engine never runs the tower for it."""
+        from vllm.inputs import TokensPrompt
+
+        from moonserve.pipeline.api.placeholders import collapse_placeholders
+        from moonserve.pipeline.engine.ec_connector import has, put
+
+        keys = list(request.image_hashes)
+        for key, output in zip(keys, request.encoder_outputs, strict=True):
+            if not has(self.images.store, key):
+                import ray
+
+                put(self.images.store, key, ray.get(output))
+        ids = collapse_placeholders(request.prompt_token_ids, request.image_placeholder_id)
+        return TokensPrompt(prompt_token_ids=ids, **self.image_format.multi_modal(images, keys))
+
     async def generate(self, request: GenerateRequest,
                        *image_embeds) -> AsyncIterator[GenerationDelta]:
-        """`image_embeds`: one [num_image_tokens, hidden] array per image, in prompt order (Ray
-        resolves the router's ObjectRefs, so they come straight from the encoder's output)."""
+        """`image_embeds`: per image, in prompt order, its [num_image_tokens, hidden] array (Ray
+        resolves the router's ObjectRefs, so they come straight from the encoder's output); with
+        `vision.handover: encoder_cache`, the decoded PIL image."""
         self.load.num_requests += 1
         # Gathering and splicing embeddings is CPU work: off the loop that serves every stream.
         prompt = await asyncio.to_thread(self.prompt, request, image_embeds) if image_embeds \
@@ -305,6 +361,9 @@ class LanguageModel:
                 priority=request.priority, reasoning_ended=request.reasoning_ended,
             ):
                 finished = output.finished
+                if output.prompt_token_ids:
+                    # The engine's count: with encoder_cache, vLLM expanded the images itself.
+                    num_prompt_tokens = len(output.prompt_token_ids)
                 # With n > 1, one delta per choice that has news (each carries its index).
                 deltas = [GenerationDelta(
                     text=completion.text,
@@ -336,6 +395,12 @@ class LanguageModel:
 
     async def model_info(self) -> ModelInfo:
         return self.info
+
+    async def collective_rpc(self, method: str, *args) -> list:
+        """vLLM's `collective_rpc`: `method` of `engine.worker_extension_cls` run in every engine
+        worker, their results in rank order (probes for debugging and tests; Serve handles only,
+        never HTTP)."""
+        return await self.engine.collective_rpc(method, args=args)
 
     async def stats(self) -> dict:
         return {

@@ -31,9 +31,23 @@ def decode_and_patchify(data: bytes, cfg):
     return image.pixel_values.numpy(), image
 
 
+def decode_and_count(data: bytes, cfg):
+    """bytes -> (RGB PIL image, grid_thw, num_image_tokens): the layout without the patches."""
+    from moonserve.pipeline.vision.preprocess import decode_image, navit_grid, num_image_tokens
+
+    image = decode_image(data, cfg)
+    grid_thw = navit_grid(*image.size, cfg)
+    return image, grid_thw, num_image_tokens(grid_thw, cfg)
+
+
 class ImagePreprocessor:
-    def __init__(self, config: ImagePreprocessorConfig):
+    """`decoded_only` (vision.handover encoder_cache): images are decoded, checked and counted,
+    and the decoded image goes to the object store instead of patches (vLLM's processor
+    patchifies for the model)."""
+
+    def __init__(self, config: ImagePreprocessorConfig, decoded_only: bool = False):
         self.cfg = config.preprocess_config()
+        self.decoded_only = decoded_only
         self.policy = config.remote
         self.session = None
         self.process_batch.set_max_batch_size(config.max_batch_size)
@@ -50,9 +64,15 @@ class ImagePreprocessor:
         result = await self.process_batch(data)
         if isinstance(result, Exception):
             raise result
-        pixels, image = result
         self.latency.observe(time.monotonic() - began)
-        return ImageInfo(content_hash=hashlib.sha256(data).hexdigest(),
+        content_hash = hashlib.sha256(data).hexdigest()
+        if self.decoded_only:
+            image, grid_thw, num_tokens = result
+            return ImageInfo(content_hash=content_hash, grid_thw=tuple(grid_thw),
+                             num_image_tokens=num_tokens, image_size=image.size,
+                             pixel_values=None, image=ray.put(image))
+        pixels, image = result
+        return ImageInfo(content_hash=content_hash,
                          grid_thw=tuple(image.grid_thw), num_image_tokens=image.num_image_tokens,
                          image_size=tuple(image.image_size), pixel_values=ray.put(pixels))
 
@@ -85,6 +105,6 @@ class ImagePreprocessor:
     def process_one(self, data: bytes):
         """A failure is returned, not raised, so it fails only its own request."""
         try:
-            return decode_and_patchify(data, self.cfg)
+            return (decode_and_count if self.decoded_only else decode_and_patchify)(data, self.cfg)
         except Exception as exc:
             return exc

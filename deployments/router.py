@@ -15,6 +15,7 @@ Example (without Serve, with any object that has the LanguageModel's methods):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -91,8 +92,8 @@ class Router:
             chat_template_text(chat.template) if chat.template else None)
         self.prompts.rendering = rendering_for(model_path)
         self.parsing = ChatParsing(self.prompts.tokenizer, chat, self.prompts.rendering)
-        self.images = None if vision is None else \
-            ImageFanIn(vision.image_placeholder, preprocessor, encoder)
+        self.images = None if vision is None else image_fan_in(vision, preprocessor, encoder,
+                                                               model_path)
         self.image_placeholder_id = None if self.images is None else \
             self.prompts.token_id(self.images.placeholder)
         self.metrics = RouterMetrics()
@@ -177,11 +178,13 @@ class Router:
         plan = self.parsing.plan(body)
         images = await self.start_images(body)
         placeholder = "" if self.images is None else self.images.placeholder
+        text = None if self.images is None else self.images.text
         try:
             prompt_ids = await self.tokenize(
                 lambda b: self.prompts.chat_prompt_ids(
                     b.messages, placeholder, images.num_tokens(), template_kwargs=b.template_kwargs(),
-                    template_param="chat_template_kwargs" if b.chat_template_kwargs else "messages"),
+                    template_param="chat_template_kwargs" if b.chat_template_kwargs else "messages",
+                    image_text=text),
                 body,
                 sum(len(m.text()) for m in body.messages))
         except BaseException:
@@ -242,7 +245,8 @@ class Router:
             ids = await self.tokenize(lambda b: self.prompts.chat_prompt_ids(
                 b.messages, self.images.placeholder if parts else "", image_tokens,
                 add_generation_prompt=b.add_generation_prompt,
-                template_kwargs=b.template_kwargs()), body,
+                template_kwargs=b.template_kwargs(),
+                image_text=self.images.text if parts else None), body,
                 sum(len(m.text()) for m in body.messages))
             if body.add_special_tokens:
                 ids = self.prompts.tokenizer.build_inputs_with_special_tokens(ids)
@@ -314,7 +318,10 @@ class Router:
                 reasoning_ended=plan.reasoning_ended(job.prompt_ids) if plan else None,
                 image_hashes=tuple(info.content_hash for info in job.images.infos),
                 cache_key=job.body.prompt_cache_key or job.body.user)
-            job.image_embeds = await job.images.embeddings()
+            if job.images.infos:
+                job.image_embeds, outputs = await job.images.engine_inputs(
+                    self.images.engine_cache)
+                generate = dataclasses.replace(generate, encoder_outputs=outputs)
             if job.body.stream:
                 return await self.respond_stream(job, generate, slot, trace)
             completion = await self.complete(generate, trace, job.image_embeds)
@@ -410,6 +417,17 @@ class Router:
                 # Stopping iteration does not cancel a Serve stream; this reaches the replica as
                 # CancelledError, and LanguageModel.generate aborts the engine request.
                 stream.cancel()
+
+
+def image_fan_in(vision: VisionConfig, preprocessor, encoder, model_path: str) -> ImageFanIn:
+    """With `handover: encoder_cache` each image's prompt text is the model's own placeholder
+    text (vLLM's `get_placeholder_str`)."""
+    if vision.handover != "encoder_cache":
+        return ImageFanIn(vision.image_placeholder, preprocessor, encoder)
+    from moonserve.pipeline.engine.image_format import image_format
+
+    return ImageFanIn(vision.image_placeholder, preprocessor, encoder,
+                      image_format(model_path).placeholder_text, engine_cache=True)
 
 
 def template_tokens(prompts: PromptBuilder) -> int | None:

@@ -1,4 +1,6 @@
-"""VisionEncoder deployment: MoonViT-V2 over packed batches, with an embedding cache.
+"""VisionEncoder deployment: MoonViT-V2 over packed batches, with an embedding cache; or, with
+`vision.handover: encoder_cache`, the LM checkpoint's own vision tower in an encoder-only vLLM
+engine (`EngineVisionEncoder`).
 
 Concurrent `encode` calls (from all requests) are gathered by `serve.batch` and run as ONE packed
 forward pass (all images in one sequence, attention restricted to each image by `cu_seqlens`).
@@ -19,8 +21,8 @@ import time
 import numpy as np
 from ray import serve
 
-from moonserve.pipeline.config import VisionEncoderConfig
-from moonserve.pipeline.api.protocol import ImageInfo
+from moonserve.pipeline.config import EngineConfig, VisionEncoderConfig
+from moonserve.pipeline.api.protocol import ImageInfo, StoredEncoding
 
 
 def load_encoder(config: VisionEncoderConfig, model_path: str):
@@ -88,3 +90,103 @@ class VisionEncoder:
 
     async def stats(self) -> dict[str, int]:
         return self.cache.stats()
+
+
+def encoder_engine_args(config: VisionEncoderConfig, engine: EngineConfig, model_path: str,
+                        modality: str):
+    """An encoder-only vLLM engine on the LM checkpoint (`mm_encoder_only`: no language model
+    weights, no KV cache) that stores each image's output through `MoonserveECConnector`."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from moonserve.pipeline.engine.ec_connector import ec_transfer_config
+
+    return AsyncEngineArgs(
+        model=model_path, tokenizer=model_path, dtype=engine.dtype,
+        max_model_len=engine.max_model_len, trust_remote_code=engine.trust_remote_code,
+        enforce_eager=engine.enforce_eager, seed=engine.seed,
+        max_num_seqs=config.max_batch_size, gpu_memory_utilization=config.gpu_memory_utilization,
+        mm_encoder_tp_mode=engine.mm_encoder_tp_mode, limit_mm_per_prompt={modality: 1},
+        mm_encoder_only=True,
+        ec_transfer_config=ec_transfer_config("ec_producer", config.store, config.store_max_bytes),
+    )
+
+
+class EngineVisionEncoder:
+    """The VisionEncoder with `vision.handover: encoder_cache`.
+
+    Each image is one request to an encoder-only vLLM engine (`ec_producer`) whose prompt is the
+    model's placeholder text; the engine stops it once the image is encoded, and its connector has
+    stored the output in `config.store` under the image's SHA-256 (the key the LanguageModel sends
+    as the image's `multi_modal_uuids`). Concurrent requests are batched by the engine itself. An
+    image already in the store is not encoded again, and concurrent requests for one image share
+    one encoding. `encode` returns a `StoredEncoding`: the key, and the stored output (a tensor
+    [num_image_tokens, text hidden] in the engine's dtype) put in the object store, which the
+    LanguageModel fetches only when its own node's store lacks the entry (an encoder on another
+    node); the Router passes it on without reading it.
+    """
+
+    def __init__(self, config: VisionEncoderConfig, engine: EngineConfig, model_path: str):
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from moonserve.pipeline.engine.image_format import image_format
+        from moonserve.pipeline.metrics import make_metric
+
+        self.store = config.store
+        self.format = image_format(model_path)
+        self.engine = AsyncLLM.from_engine_args(
+            encoder_engine_args(config, engine, model_path, self.format.modality))
+        self.pending: dict[str, asyncio.Task] = {}
+        self.counts = {"hits": 0, "misses": 0, "encoded": 0}
+        self.latency = make_metric("moonserve_image_encode_seconds")
+        self.lookups = make_metric("moonserve_encoder_cache")
+
+    async def encode(self, info: ImageInfo) -> StoredEncoding:
+        import ray
+
+        from moonserve.pipeline.engine.ec_connector import get, has
+
+        key = info.content_hash
+        hit = has(self.store, key)
+        self.counts["hits" if hit else "misses"] += 1
+        self.lookups.inc(tags={"result": "hit" if hit else "miss"})
+        if not hit:
+            task = self.pending.get(key)
+            if task is None:
+                # Owned by the replica: a caller that goes away does not fail the others.
+                task = asyncio.ensure_future(self.run_engine(info))
+                self.pending[key] = task
+                task.add_done_callback(lambda _: self.pending.pop(key, None))
+            await asyncio.shield(task)
+        output = await asyncio.to_thread(get, self.store, key)
+        return StoredEncoding(key, output.shape[0], ray.put(output))
+
+    async def run_engine(self, info: ImageInfo) -> None:
+        import uuid
+
+        from vllm import SamplingParams
+
+        from moonserve.pipeline.engine.ec_connector import has
+
+        key = info.content_hash
+        prompt = {"prompt": self.format.placeholder_text,
+                  **self.format.multi_modal([await info.image], [key])}
+        began = time.monotonic()
+        async for _ in self.engine.generate(prompt, SamplingParams(max_tokens=1),
+                                            f"encode-{key[:16]}-{uuid.uuid4().hex[:8]}"):
+            pass
+        self.latency.observe(time.monotonic() - began)
+        self.counts["encoded"] += 1
+        if not has(self.store, key):
+            raise RuntimeError(f"image {key[:16]}: the encoder engine finished without storing "
+                               f"its output in {self.store}")
+
+    async def stats(self) -> dict[str, int]:
+        """Store lookups (`hits`, `misses`) and engine encodings (`encoded`) since start."""
+        await self.engine.check_health()
+        return dict(self.counts)
+
+    def __del__(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+            self.engine = None

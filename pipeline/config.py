@@ -147,8 +147,12 @@ class EngineConfig(StrictModel):
     kv_cache_memory_bytes: PositiveInt | None = None
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     trust_remote_code: bool = False
-    # Multimodal requests reach vLLM as prompt embeddings (needed when `vision` is on).
+    # Multimodal requests reach vLLM as prompt embeddings (needed with `vision.handover:
+    # prompt_embeds`).
     enable_prompt_embeds: bool = False
+    # vLLM's `worker_extension_cls`: a class mixed into every engine worker, whose methods
+    # `LanguageModel.collective_rpc` calls (debugging and test probes); None: none.
+    worker_extension_cls: str | None = None
     # vLLM's `mm_encoder_tp_mode` for an in-engine vision tower: "data" runs it replicated per
     # rank (K3's ViT heads do not divide TP 8); None: vLLM's default.
     mm_encoder_tp_mode: Literal["weights", "data"] | None = None
@@ -455,17 +459,40 @@ class VisionEncoderConfig(StrictModel):
     # Encoder outputs kept per replica, keyed by the SHA-256 of the image bytes (LRU by bytes).
     cache_bytes: int = Field(256 * 1024 * 1024, ge=0)
     num_gpus: float = Field(0.0, ge=0)
+    # handover encoder_cache: the node-local store the encoder engine writes and the LanguageModel's
+    # engine reads (pipeline/engine/ec_connector.py), and the bytes it may hold (least recently
+    # used entries go first; None: no bound).
+    store: str = "/dev/shm/moonserve-ec"
+    store_max_bytes: PositiveInt | None = 4 * 1024**3
+    # handover encoder_cache: the encoder engine's vLLM `gpu_memory_utilization` (on CPU, the
+    # fraction of RAM it must find free at start); it holds the tower's weights and activations,
+    # no KV cache.
+    gpu_memory_utilization: float = Field(0.2, gt=0, le=1)
     deployment: DeploymentOptions = DeploymentOptions(max_ongoing_requests=32)
 
 
 class VisionConfig(StrictModel):
     """Images in chat messages: Router -> ImagePreprocessor -> VisionEncoder -> LanguageModel.
 
-    `image_placeholder` is the token the prompt carries once per image, expanded by the router to
-    one position per image token and replaced by the encoder's embeddings in the LM (embedded
-    SmolLM2: its unused special token `<empty_output>`; Kimi K3: `<|media_pad|>`).
+    `handover`: how the encoder's outputs reach the language model.
+    - `prompt_embeds` (text-only LMs, the embedded SmolLM2): the VisionEncoder runs MoonViT
+      (`vision.encoder.model`) and the LanguageModel splices its rows into the prompt's
+      embeddings, sent to vLLM as `prompt_embeds` (needs `engine.enable_prompt_embeds`).
+    - `encoder_cache` (LMs vLLM serves as multimodal: Kimi K2.5, K3): the VisionEncoder runs the
+      LM checkpoint's own vision tower in an encoder-only vLLM engine (`ec_producer`), which writes
+      each image's output to `encoder.store` under the image's SHA-256; the LanguageModel sends
+      vLLM the image in the model's own prompt format with that key as its `multi_modal_uuids`,
+      and its engine (`ec_consumer`) loads the stored output instead of running the tower.
+
+    `image_placeholder` is the token the router expands to one position per image token, so
+    lengths, lanes and usage count image tokens: with `prompt_embeds` the prompt carries it once
+    per image (embedded SmolLM2: its unused special token `<empty_output>`) and the LM overwrites
+    the run with the encoder's rows; with `encoder_cache` it is the token vLLM's processor expands
+    inside the model's placeholder text (`get_placeholder_str`; Kimi K2.5: `<|media_pad|>`), and
+    the LM hands vLLM the prompt unexpanded.
     """
 
+    handover: Literal["prompt_embeds", "encoder_cache"] = "prompt_embeds"
     image_placeholder: str = "<empty_output>"
     preprocessor: ImagePreprocessorConfig = ImagePreprocessorConfig()
     encoder: VisionEncoderConfig = VisionEncoderConfig()
@@ -674,9 +701,16 @@ class AppConfig(StrictModel):
                 f"router.lanes.interactive.priority ({self.router.lanes.interactive.priority}) "
                 f"must be better (lower) than language_model.engine.background_priority "
                 f"({background}): chat prefills would be chunked as background work")
-        if self.vision is not None and not self.language_model.engine.enable_prompt_embeds:
-            raise ValueError("vision is configured but language_model.engine.enable_prompt_embeds "
-                             "is false: image requests reach vLLM as prompt embeddings")
+        if self.vision is not None and self.vision.handover == "prompt_embeds" and \
+                not self.language_model.engine.enable_prompt_embeds:
+            raise ValueError("vision.handover is prompt_embeds but language_model.engine."
+                             "enable_prompt_embeds is false: image requests reach vLLM as prompt "
+                             "embeddings")
+        if self.vision is not None and self.vision.handover == "encoder_cache" and \
+                self.language_model.engine.model == EMBEDDED_MODEL:
+            raise ValueError("vision.handover encoder_cache needs a model vLLM serves as "
+                             "multimodal (Kimi K2.5, K3) in language_model.engine.model; the "
+                             "embedded model is text-only: use vision.handover: prompt_embeds")
         if self.draft.drafter == "dspark_context" and \
                 not self.language_model.engine.enforce_eager:
             raise ValueError("draft.drafter dspark_context needs language_model.engine."

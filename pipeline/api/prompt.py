@@ -47,13 +47,16 @@ class PromptBuilder:
     def chat_prompt_ids(self, messages: list[ChatMessage], image_placeholder: str = "",
                         image_tokens: list[int] | None = None, *, add_generation_prompt: bool = True,
                         template_kwargs: dict | None = None,
-                        template_param: str = "messages") -> list[int]:
+                        template_param: str = "messages",
+                        image_text: str | None = None) -> list[int]:
         """Prompt ids; with images, each image's placeholder expanded to its token count.
-        `template_kwargs` are the other variables of the chat template (`tools`, a request's
-        `chat_template_kwargs`, ...); a template that fails is a 400 naming `template_param`."""
+        `image_text` is an image's text in the prompt (default: the placeholder alone); it holds
+        the placeholder once. `template_kwargs` are the other variables of the chat template
+        (`tools`, a request's `chat_template_kwargs`, ...); a template that fails is a 400 naming
+        `template_param`."""
         rendering = self.rendering
-        conversation = rendering.conversation([m.template_dict(image_placeholder)
-                                               for m in messages])
+        text = image_placeholder if image_text is None else image_text
+        conversation = rendering.conversation([m.template_dict(text) for m in messages])
         try:
             rendered = self.tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=add_generation_prompt,

@@ -513,6 +513,9 @@ class GenerateRequest:
     # each image's content hash, in prompt order, and the client's `prompt_cache_key` (or `user`).
     image_hashes: tuple[str, ...] = ()
     cache_key: str | None = None
+    # vision.handover encoder_cache: ObjectRefs of each image's encoder output (nested, so Ray does
+    # not fetch them), read only when the LM's node store lacks the image's entry.
+    encoder_outputs: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -521,6 +524,8 @@ class ImageInfo:
 
     `pixel_values` is a Ray ObjectRef to a float32 array [num_patches, 3, 14, 14], so the pixels go
     from the preprocessor to the encoder through the object store without passing the router.
+    With `vision.handover: encoder_cache` vLLM's processors patchify instead: `pixel_values` is
+    None and `image` is an ObjectRef to the decoded RGB PIL image.
     """
 
     content_hash: str  # SHA-256 of the image bytes (the encoder cache key)
@@ -528,6 +533,18 @@ class ImageInfo:
     num_image_tokens: int  # after the 2x2 merge
     image_size: tuple[int, int]  # original (width, height)
     pixel_values: Any
+    image: Any = None
+
+
+@dataclass(frozen=True)
+class StoredEncoding:
+    """VisionEncoder -> Router with `vision.handover: encoder_cache`: the image's output is in the
+    encoder node's store under `key`; `output` is an ObjectRef to the same tensor
+    [num_image_tokens, text hidden], which only a LanguageModel on another node fetches."""
+
+    key: str
+    num_image_tokens: int
+    output: Any
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):

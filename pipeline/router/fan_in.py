@@ -10,19 +10,34 @@ Example (`preprocessor` and `encoder` are the ImagePreprocessor and VisionEncode
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from moonserve.pipeline.api.protocol import ImageInfo
 from moonserve.pipeline.router.failures import gather_calls, image_failure
 
+logger = logging.getLogger("moonserve.router")
+
 
 class ImageFanIn:
-    """The router's side of the image deployments: preprocess, then encode, all concurrently."""
+    """The router's side of the image deployments: preprocess, then encode, all concurrently.
 
-    def __init__(self, placeholder: str, preprocessor, encoder):
+    `placeholder` is the token expanded to one per image token; `text` the prompt text of one
+    image (default: the placeholder itself), which must hold the placeholder once. `engine_cache`
+    (vision.handover encoder_cache): the LanguageModel gets the decoded images, and the encoder
+    outputs only as references (`EncodingImages.engine_inputs`).
+    """
+
+    def __init__(self, placeholder: str, preprocessor, encoder, text: str | None = None,
+                 engine_cache: bool = False):
         self.placeholder = placeholder
+        self.text = placeholder if text is None else text
+        if self.text.count(placeholder) != 1:
+            raise ValueError(f"vision.image_placeholder {placeholder!r} must occur once in the "
+                             f"model's image prompt text {self.text!r}")
         self.preprocessor = preprocessor
         self.encoder = encoder
+        self.engine_cache = engine_cache
 
     async def start(self, parts: list[tuple[int, int, str]]) -> EncodingImages:
         infos = await self.layout(parts)
@@ -60,6 +75,20 @@ class EncodingImages:
             response.cancel()
         self.infos, self.responses = [], []
 
+    async def engine_inputs(self, engine_cache: bool) -> tuple[list, tuple]:
+        """What the LanguageModel call carries, once every encoding exists: (its top-level
+        arguments, `GenerateRequest.encoder_outputs`). Prompt embeddings: the outputs at the top
+        level (Ray fetches them for the LM), none nested. `engine_cache`: the decoded images at
+        the top level, the outputs (`StoredEncoding.output`) nested, fetched only by a
+        LanguageModel whose node store lacks them."""
+        refs = await self.embeddings()
+        if not engine_cache:
+            return refs, ()
+        stored = [await ref for ref in refs]  # StoredEncoding: small, the output stays a ref
+        for info, encoding in zip(self.infos, stored):
+            warn_on_count_mismatch(info, encoding.num_image_tokens)
+        return [info.image for info in self.infos], tuple(s.output for s in stored)
+
     async def embeddings(self) -> list:
         """ObjectRefs of the encoder outputs, once all exist (a failed encoding raises here)."""
         refs = []
@@ -71,3 +100,15 @@ class EncodingImages:
                 raise image_failure(exc, f"image {k}", "vision encoder") from exc
             refs.append(ref)
         return refs
+
+
+def warn_on_count_mismatch(info: ImageInfo, engine_tokens: int) -> None:
+    """Once per replica: the router's token count (context checks, lanes) differs from what
+    vLLM's processor made of the image, so the preprocessor's layout fields do not match the
+    checkpoint's `media_proc_cfg`."""
+    if info.num_image_tokens == engine_tokens or getattr(warn_on_count_mismatch, "done", False):
+        return
+    warn_on_count_mismatch.done = True
+    logger.warning("an image of %dx%d counts %d tokens here but %d in vLLM's processor: set "
+                   "vision.preprocessor's layout fields to the checkpoint's media_proc_cfg",
+                   *info.image_size, info.num_image_tokens, engine_tokens)

@@ -76,6 +76,21 @@ def test_tensor_parallel_needs_a_bundle_per_rank():
     assert AppConfig.model_validate(args).language_model.engine.tensor_parallel_size == 3
 
 
+def test_image_handover_needs_what_its_path_uses():
+    args = local_args()
+    args["language_model"]["engine"]["enable_prompt_embeds"] = False
+    with pytest.raises(ValidationError, match="vision.handover is prompt_embeds but .*"
+                                              "enable_prompt_embeds is false"):
+        AppConfig.model_validate(args)
+    args["vision"]["handover"] = "encoder_cache"
+    with pytest.raises(ValidationError, match="needs a model vLLM serves as multimodal"):
+        AppConfig.model_validate(args)  # the embedded model is text-only
+    args["language_model"]["engine"]["model"] = "/models/kimi-k2.5"
+    config = AppConfig.model_validate(args)  # no prompt embeddings needed
+    assert config.vision.handover == "encoder_cache"
+    assert config.vision.encoder.store == "/dev/shm/moonserve-ec"
+
+
 def test_serve_rejects_ray_deployment_overrides(tmp_path):
     data = yaml.safe_load(LOCAL_CONFIG.read_text())
     data["applications"][0]["deployments"] = [{"name": "Router", "num_replicas": 2}]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from moonserve.pipeline.api.placeholders import expand_placeholders
+from moonserve.pipeline.api.placeholders import collapse_placeholders, expand_placeholders
 from moonserve.pipeline.engine.splice import placeholder_runs, splice_image_embeddings
 from moonserve.pipeline.vision.cache import EmbeddingCache
 
@@ -16,6 +16,45 @@ P = 7
 def test_expand_gives_each_image_its_run_in_order():
     assert expand_placeholders([1, P, 2, P, 3], P, [2, 3]) == [1, P, P, 2, P, P, P, 3]
     assert expand_placeholders([1, 2], P, []) == [1, 2]
+
+
+@pytest.mark.parametrize("ids, counts", [([1, P, 2, P, 3], [2, 3]), ([P, 5, P], [1, 4]),
+                                         ([P], [9]), ([1, 2], [])])
+def test_collapse_undoes_expand_when_runs_are_separated(ids, counts):
+    expanded = expand_placeholders(ids, P, counts)
+    assert collapse_placeholders(expanded, P) == ids
+    assert collapse_placeholders(ids, P) == ids  # nothing to collapse
+
+
+def test_image_fan_in_needs_the_placeholder_once_in_the_image_text():
+    from moonserve.pipeline.router.fan_in import ImageFanIn
+
+    text = "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"
+    fan_in = ImageFanIn("<|media_pad|>", None, None, text, engine_cache=True)
+    assert (fan_in.placeholder, fan_in.text, fan_in.engine_cache) == ("<|media_pad|>", text, True)
+    assert ImageFanIn("<empty_output>", None, None).text == "<empty_output>"
+    for wrong in ("<|media_begin|>image<|media_end|>", "<|media_pad|><|media_pad|>"):
+        with pytest.raises(ValueError, match="must occur once"):
+            ImageFanIn("<|media_pad|>", None, None, wrong)
+
+
+def test_decoded_only_preprocessing_counts_as_the_full_preprocessing():
+    import io
+
+    from PIL import Image
+
+    from moonserve.deployments.preprocess import decode_and_count, decode_and_patchify
+    from moonserve.pipeline.vision.preprocess_config import PreprocessConfig
+
+    cfg = PreprocessConfig(in_patch_limit=1024, patch_limit_on_one_side=64)
+    for size in [(64, 48), (40, 70), (1000, 17), (3000, 2000)]:
+        out = io.BytesIO()
+        Image.new("RGB", size, (10, 200, 30)).save(out, format="PNG")
+        image, grid_thw, num_tokens = decode_and_count(out.getvalue(), cfg)
+        pixels, full = decode_and_patchify(out.getvalue(), cfg)
+        assert (image.mode, image.size) == ("RGB", size)
+        assert (tuple(grid_thw), num_tokens) == (tuple(full.grid_thw), full.num_image_tokens)
+        assert pixels.shape[0] == grid_thw[1] * grid_thw[2]
 
 
 @pytest.mark.parametrize("ids, counts", [([1, P, P, 2], [4]), ([1, 2], [3]), ([P], [1, 1])])

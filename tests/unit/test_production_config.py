@@ -101,7 +101,8 @@ def test_engine_arguments_reach_vllm_as_named(graph):
     assert (args.tensor_parallel_size, args.decode_context_parallel_size) == (8, 1)
     assert (args.kv_cache_dtype, args.scheduling_policy, args.max_model_len) == \
         ("fp8", "priority", 1_048_576)
-    assert args.enable_prompt_embeds and args.long_prefill_token_threshold == 2048
+    # Images reach the engine as K3 multimodal inputs (vision.handover encoder_cache).
+    assert not args.enable_prompt_embeds and args.long_prefill_token_threshold == 2048
     # vLLM's own scheduler, so vLLM keeps its async scheduling on GPUs (no LaneScheduler).
     assert args.scheduler_cls is None and args.async_scheduling is None
     assert args.mm_encoder_tp_mode == "data"
@@ -149,7 +150,20 @@ def production_args(checkpoints):
         (target.name, draft.name)
     local_draft = app.draft.model_copy(update={"model": str(draft)})
     return engine_args(app.language_model.engine, str(target), local_draft,
-                       app.language_model.chat.reasoning.parser)
+                       app.language_model.chat.reasoning.parser, production_images(app),
+                       image_format(target).modality)
+
+
+def production_images(app):
+    from moonserve.deployments.language_model import ImageInput
+
+    return ImageInput(app.vision.encoder.store, app.router.limits.max_images)
+
+
+def image_format(checkpoint):
+    from moonserve.pipeline.engine.image_format import image_format
+
+    return image_format(checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +197,45 @@ def test_vllm_resolves_the_k3_target(engine_configs):
     compilation = engine_configs["compilation_config"]
     assert compilation.cudagraph_mode.name == "FULL_DECODE_ONLY"
     assert "+fused_rms_norm_gated" in compilation.custom_ops
+
+
+def test_vllm_resolves_the_engine_as_an_encoder_cache_consumer(engine_configs):
+    transfer = engine_configs["ec_transfer_config"]
+    assert transfer.is_ec_consumer and not transfer.is_ec_producer
+    assert transfer.ec_connector == "MoonserveECConnector"
+    app = load_app_config(PRODUCTION)
+    assert transfer.get_from_extra_config("shared_storage_path", None) == app.vision.encoder.store
+    # K3's processor takes images as `image`, up to the router's per-request limit.
+    assert engine_configs["model_config"].multimodal_config.limit_per_prompt["image"].count == \
+        app.router.limits.max_images
+
+
+def test_vllm_resolves_the_vision_encoder_as_an_encoder_only_producer(checkpoints):
+    from moonserve.deployments.vision import encoder_engine_args
+
+    app = load_app_config(PRODUCTION)
+    target = checkpoints[0]
+    args = encoder_engine_args(app.vision.encoder, app.language_model.engine, str(target),
+                               image_format(target).modality)
+    model = args.create_model_config()
+    assert model.architecture == "KimiK3ForConditionalGeneration"
+    assert model.multimodal_config.mm_encoder_only
+    assert model.multimodal_config.mm_encoder_tp_mode == "data"
+    assert args.ec_transfer_config.is_encode_only  # producer, not consumer: no KV cache
+    assert args.ec_transfer_config.get_from_extra_config("max_bytes", None) == \
+        app.vision.encoder.store_max_bytes
+    assert args.gpu_memory_utilization == app.vision.encoder.gpu_memory_utilization
+
+
+def test_the_router_expands_k3s_own_image_placeholder(checkpoints):
+    """The prompt text of one image is vLLM's K3 class's, and it is the one token the config
+    expands (K3's processor then writes the model's full format around the pads)."""
+    from vllm.models.kimi_k3 import KimiK3ForConditionalGeneration
+
+    fmt = image_format(checkpoints[0])
+    assert fmt.placeholder_text == KimiK3ForConditionalGeneration.get_placeholder_str("image", 0)
+    assert fmt.placeholder_text == load_app_config(PRODUCTION).vision.image_placeholder
+    assert fmt.modality == "image" and not fmt.chunk_items
 
 
 def test_structured_outputs_start_after_k3s_thinking(engine_configs):

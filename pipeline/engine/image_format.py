@@ -1,0 +1,66 @@
+"""How a model that vLLM serves as multimodal takes an image: its modality, item and prompt text.
+
+With `vision.handover: encoder_cache` images reach vLLM as multimodal inputs, each with its key
+(the image's SHA-256) as its `multi_modal_uuids` entry, so an `ec_consumer` engine finds the
+encoder output the VisionEncoder stored under that key. The prompt text of one image is the model
+class's own `get_placeholder_str("image", i)`, asked of vLLM's model registry; vLLM's processor
+then expands it to the model's full format (Kimi K2.5: one `<|media_pad|>` per image token).
+
+API (all that other modules should use):
+
+- `image_format(model_path) -> ImageFormat`: the format of the checkpoint's architecture
+  (config.json `architectures[0]`); ValueError for an architecture not in `MODALITIES`.
+- `ImageFormat.placeholder_text`: one image in the prompt, before vLLM expands it.
+- `ImageFormat.multi_modal(images, keys) -> dict`: the `multi_modal_data` and `multi_modal_uuids`
+  entries of a vLLM prompt for PIL `images` under `keys`, in prompt order.
+
+Example:
+    >>> fmt = ImageFormat("KimiK25ForConditionalGeneration", "vision_chunk", "<|media_pad|>", True)
+    >>> fmt.multi_modal(["<PIL image>"], ["ab12"])["multi_modal_uuids"]
+    {'vision_chunk': ['ab12']}
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+# Architecture -> (the modality its processor takes images under, whether an item is a dict).
+# Kimi K2.5 takes every medium as a `vision_chunk`: an image is {"type": "image", "image": PIL,
+# "uuid": key} (vllm/model_executor/models/kimi_k25.py, `get_supported_mm_limits`); Kimi K3 takes
+# plain PIL images as `image` (vllm/models/kimi_k3/common/mm_preprocess.py).
+MODALITIES = {
+    "KimiK25ForConditionalGeneration": ("vision_chunk", True),
+    "KimiK3ForConditionalGeneration": ("image", False),
+}
+
+
+@dataclass(frozen=True)
+class ImageFormat:
+    architecture: str
+    modality: str
+    placeholder_text: str
+    chunk_items: bool  # items are K2.5's {"type": "image", "image": ..., "uuid": ...}
+
+    def multi_modal(self, images: list, keys: list[str]) -> dict:
+        items = [{"type": "image", "image": image, "uuid": key} if self.chunk_items else image
+                 for image, key in zip(images, keys, strict=True)]
+        return {"multi_modal_data": {self.modality: items},
+                "multi_modal_uuids": {self.modality: list(keys)}}
+
+
+def image_format(model_path: str | Path) -> ImageFormat:
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    architecture = (config.get("architectures") or [None])[0]
+    if architecture not in MODALITIES:
+        raise ValueError(f"vision.handover encoder_cache: {model_path} is a {architecture}; "
+                         f"the image format is known for {', '.join(MODALITIES)}")
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    model_cls = ModelRegistry._try_load_model_cls(architecture)
+    if model_cls is None:
+        raise ValueError(f"vision.handover encoder_cache: this vLLM has no {architecture}")
+    modality, chunk_items = MODALITIES[architecture]
+    return ImageFormat(architecture, modality, model_cls.get_placeholder_str("image", 1),
+                       chunk_items)

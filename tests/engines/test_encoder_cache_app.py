@@ -1,0 +1,238 @@
+"""`vision.handover: encoder_cache` in a running app: an image is encoded once, in the VisionEncoder.
+
+The app is `configs/local.yaml` on a tiny Kimi-K2.5 checkpoint with random weights
+(`k25_synthetic`, written here), which vLLM serves as multimodal. The VisionEncoder runs its tower
+in an encoder-only `ec_producer` engine that stores each image's output in a tmp store; the
+LanguageModel's `ec_consumer` engine gets the image in K2.5's own prompt format and loads the
+stored output. The LanguageModel's workers carry `ImageProbe`
+(`moonserve.pipeline.engine.worker_probe`), which counts the engine's encoder calls and records the
+token ids and image rows of each prefill. The engines are this module's own and are stopped before
+the session server's starts (tests/engines runs before tests/server).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import multiprocessing
+import sys
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+import yaml
+from PIL import Image
+from tokenizers import Tokenizer
+
+from moonserve.pipeline.app.launch import ServerProcess
+from moonserve.pipeline.config import DEFAULT_CONFIG
+from moonserve.pipeline.engine.ec_connector import get, has
+from moonserve.pipeline.models.k3_synthetic import token_id
+from moonserve.pipeline.models.k25_synthetic import write_k25_checkpoint
+
+HTTP_PORT = 8132
+MEDIA_PAD = "<|media_pad|>"
+
+
+def gradient_png(flip: bool = False, size: tuple[int, int] = (64, 48)) -> bytes:
+    w, h = size
+    x, y = np.meshgrid(np.linspace(0, 255, w), np.linspace(0, 255, h))
+    rgb = np.stack([x, y, np.full_like(x, 128.0)], axis=-1)  # [h, w, 3]
+    image = Image.fromarray((255 - rgb if flip else rgb).astype(np.uint8))
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def data_url(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    root = tmp_path_factory.mktemp("encoder-cache")
+    checkpoint = write_k25_checkpoint(root / "k25")
+    store = root / "store"
+    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    args = data["applications"][0]["args"]
+    args["router"]["limits"]["max_images"] = 2
+    engine = args["language_model"]["engine"]
+    engine.update(model=str(checkpoint), dtype="bfloat16", max_model_len=2048, max_num_seqs=4,
+                  max_num_batched_tokens=2048, enable_prompt_embeds=False,
+                  worker_extension_cls="moonserve.pipeline.engine.worker_probe.ImageProbe")
+    args["language_model"]["chat"] = {}
+    # The checkpoint's media_proc_cfg (k25_synthetic.preprocessor_config).
+    args["vision"] = {"handover": "encoder_cache", "image_placeholder": MEDIA_PAD,
+                      "preprocessor": {"in_patch_limit": 1024, "patch_limit_on_one_side": 64},
+                      "encoder": {"store": str(store), "max_batch_size": 2}}
+    args["draft"] = {"mode": "off"}
+    config = root / "app.yaml"
+    config.write_text(yaml.safe_dump(data, sort_keys=False))
+    process = ServerProcess(
+        [sys.executable, "-m", "moonserve.pipeline.app.cli", "serve", "--config", str(config),
+         "--port", str(HTTP_PORT), "--dashboard-port", str(HTTP_PORT + 150),
+         "--metrics-export-port", str(HTTP_PORT + 160)],
+        f"http://127.0.0.1:{HTTP_PORT}/health", log_path=root / "serve.log",
+        start_timeout_s=420)
+    process.start()
+    process.checkpoint, process.store = checkpoint, store
+    try:
+        yield process
+    finally:
+        assert process.interrupt() == 0, process.log_tail()
+
+
+def call_deployment(deployment: str, method: str, args: tuple):
+    """A Serve handle call, in the `serve_calls` child process."""
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+    handle = serve.get_deployment_handle(deployment, app_name="moonserve")
+    return getattr(handle, method).remote(*args).result(timeout_s=120)
+
+
+@pytest.fixture(scope="module")
+def serve_calls(app):
+    """Serve handle calls from a child process that goes with the module (a handle in the test
+    process would outlive this app's cluster; see tests/engines/test_dspark_context_engine.py)."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        def call(deployment, method, *args):
+            return pool.apply(call_deployment, (deployment, method, args))
+
+        call.pool = pool  # for other functions run in the child
+        call("LanguageModel", "collective_rpc", "install_image_probe")
+        yield call
+        pool.terminate()
+
+
+@pytest.fixture(scope="module")
+def client(app):
+    return openai.OpenAI(base_url=f"{app.base_url}/v1", api_key="none")
+
+
+def messages(pngs: list[bytes], text: str = "describe") -> list[dict]:
+    content = [{"type": "text", "text": text},
+               *({"type": "image_url", "image_url": {"url": data_url(p)}} for p in pngs)]
+    return [{"role": "user", "content": content}]
+
+
+def ask(client, pngs: list[bytes], text: str = "describe"):
+    return client.chat.completions.create(
+        model=client.models.list().data[0].id, max_tokens=2, temperature=0,
+        messages=messages(pngs, text))
+
+
+def sha256(png: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(png).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def first(client, serve_calls, app):
+    """One request with one image, and what each deployment saw."""
+    png = gradient_png()
+    before = serve_calls("VisionEncoder", "stats")
+    response = ask(client, [png])
+    return {"png": png, "response": response, "encoder_before": before,
+            "encoder_after": serve_calls("VisionEncoder", "stats"),
+            "probe": serve_calls("LanguageModel", "collective_rpc", "image_probe_report")[0]}
+
+
+def test_image_is_encoded_once_in_the_vision_encoder_and_never_in_the_engine(first, app):
+    assert first["encoder_after"]["encoded"] - first["encoder_before"]["encoded"] == 1
+    assert has(app.store, sha256(first["png"]))
+    probe = first["probe"]
+    assert probe["encoder_calls"] == 0
+    assert len(probe["prefills"]) == 1
+
+
+def test_engine_rows_at_the_image_positions_are_the_stored_output(first, app):
+    rows = torch.tensor(first["probe"]["prefills"][0]["image_rows"])
+    stored = get(app.store, sha256(first["png"]))
+    assert rows.shape == stored.shape and rows.shape[0] > 1
+    assert torch.equal(rows, stored.float())
+
+
+def test_engine_prompt_has_the_models_placeholder_format(first, app):
+    ids = first["probe"]["prefills"][0]["input_ids"]
+    opening = Tokenizer.from_file(str(app.checkpoint / "tokenizer.json")).encode(
+        "<|media_begin|>image<|media_content|>", add_special_tokens=False).ids
+    num_rows = len(first["probe"]["prefills"][0]["image_rows"])
+    begin = ids.index(token_id("<|media_begin|>"))
+    expected = [*opening, *[token_id(MEDIA_PAD)] * num_rows, token_id("<|media_end|>")]
+    assert ids[begin: begin + len(expected)] == expected
+    assert ids.count(token_id(MEDIA_PAD)) == num_rows
+    assert first["response"].usage.prompt_tokens == len(ids)
+    # The router counts the image as vLLM's processor expands it (its context checks and lanes
+    # use that count; the LM hands vLLM the prompt unexpanded).
+    counted = httpx.post(f"{app.base_url}/tokenize", json={"messages": messages([first["png"]])},
+                         timeout=60).json()
+    assert counted["count"] == len(ids) and counted["tokens"] == ids
+
+
+def test_a_second_request_for_the_image_is_not_encoded_again(client, serve_calls, first, app):
+    before = serve_calls("VisionEncoder", "stats")
+    other = gradient_png(flip=True, size=(40, 70))
+    ask(client, [first["png"], other], text="compare")
+    after = serve_calls("VisionEncoder", "stats")
+    probe = serve_calls("LanguageModel", "collective_rpc", "image_probe_report")[0]
+    assert after["encoded"] - before["encoded"] == 1  # only the new image
+    assert after["hits"] - before["hits"] == 1
+    assert probe["encoder_calls"] == 0
+    rows = torch.tensor(probe["prefills"][0]["image_rows"])
+    stored = torch.cat([get(app.store, sha256(first["png"])), get(app.store, sha256(other))])
+    assert torch.equal(rows, stored.float())
+
+
+def test_text_only_requests_still_reach_the_engine_as_tokens(client, serve_calls):
+    response = client.chat.completions.create(
+        model=client.models.list().data[0].id, max_tokens=3, temperature=0,
+        messages=[{"role": "user", "content": "no image here"}])
+    assert response.usage.completion_tokens == 3
+    assert serve_calls("LanguageModel", "collective_rpc", "image_probe_report")[0]["prefills"] == []
+
+
+def generate_with_encoder_output(prompt_ids: list[int], pad_id: int, key: str,
+                                 rows: list[list[float]], png: bytes) -> int:
+    """In the `serve_calls` child: what a Router does when the VisionEncoder ran on another node
+    (the LM's store lacks the entry): the encoder's output only as an ObjectRef in the request."""
+    import ray
+    from ray import serve
+
+    from moonserve.pipeline.api.protocol import GenerateRequest, SamplingSpec
+
+    if not ray.is_initialized():
+        ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+    request = GenerateRequest(
+        "remote-encoder-1", prompt_ids, SamplingSpec(max_tokens=2, temperature=0.0),
+        image_placeholder_id=pad_id, image_hashes=(key,),
+        encoder_outputs=(ray.put(torch.tensor(rows, dtype=torch.bfloat16)),))
+    image = Image.open(io.BytesIO(png)).convert("RGB")
+    lm = serve.get_deployment_handle("LanguageModel", app_name="moonserve").options(stream=True)
+    return sum(delta.num_tokens for delta in lm.generate.remote(request, image))
+
+
+def test_an_output_missing_from_the_lms_node_store_comes_from_the_encoders_reply(
+        first, serve_calls, app):
+    """As if the encoder ran on another node: the LM stores the output it was handed before the
+    engine looks, so the engine still never encodes, and its rows are the handed-over ones."""
+    key = sha256(first["png"])
+    stored = get(app.store, key)
+    prefill = first["probe"]["prefills"][0]
+    entry = app.store / key
+    for path in entry.iterdir():
+        path.unlink()
+    entry.rmdir()
+    assert not has(app.store, key)
+    num_tokens = serve_calls.pool.apply(generate_with_encoder_output, (
+        prefill["input_ids"], token_id(MEDIA_PAD), key, stored.float().tolist(), first["png"]))
+    assert num_tokens == 2
+    assert has(app.store, key) and torch.equal(get(app.store, key), stored)
+    probe = serve_calls("LanguageModel", "collective_rpc", "image_probe_report")[0]
+    assert probe["encoder_calls"] == 0
+    assert torch.equal(torch.tensor(probe["prefills"][0]["image_rows"]), stored.float())
