@@ -70,7 +70,8 @@ class DraftMetrics:
 
         names = ("moonserve_draft_step_seconds", "moonserve_draft_call_seconds",
                  "moonserve_draft_tokens", "moonserve_draft_accepted_tokens",
-                 "moonserve_draft_prefetch", "moonserve_draft_fallbacks")
+                 "moonserve_draft_prefetch", "moonserve_draft_fallbacks",
+                 "moonserve_draft_quiet_rows")
         self.m = {name: make_metric(name) for name in names}
 
     def proposer_stats(self, stats: dict) -> None:
@@ -80,6 +81,8 @@ class DraftMetrics:
         for reason in ("missed", "skipped"):
             if stats.get(reason):
                 self.m["moonserve_draft_fallbacks"].inc(stats[reason], tags={"reason": reason})
+        if stats.get("quiet"):
+            self.m["moonserve_draft_quiet_rows"].inc(stats["quiet"])
 
     def observe(self, o: StepObservation) -> None:
         tags = {"drafter": o.drafter}

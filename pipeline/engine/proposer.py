@@ -15,6 +15,10 @@ named by `MOONSERVE_DRAFT_SOCKET`; `moonserve.pipeline.speculative.endpoint`);
   the tokens added since the proposer's last call for that request.
 - Rows with nothing sampled this step (a prefill chunk) or at `max_model_len` get no drafts, as in
   vLLM's own ngram proposer. Requests that left the batch are released on the next message.
+- Paused requests: a reply's `quiet` gives, per row, the steps its request will draft nothing for
+  (the service's adaptive pause, `moonserve.pipeline.speculative.adaptive`). The request is left
+  out of that many steps, its tokens wait for its next row, and a step with nothing to send makes
+  no call: a request the drafter cannot help costs no round trip.
 - Deadline: the reply must come within `MOONSERVE_DRAFT_DEADLINE_MS` (or the deadline the service
   last sent, see `DraftService.set_deadline`), else the step drafts nothing.
   At most one call is in flight: while a late reply is outstanding (or the service is unreachable,
@@ -83,10 +87,11 @@ class ProposerStats:
     skipped: int = 0  # no call: the previous one is still pending, or no connection yet
     missed: int = 0  # the reply missed the deadline
     rtt_s: list[float] = field(default_factory=list)
+    quiet: int = 0  # rows left out: their request was in an adaptive pause
 
     def take(self) -> StepStats:
-        out = StepStats(self.calls, self.skipped, self.missed, self.rtt_s)
-        self.calls = self.skipped = self.missed = 0
+        out = StepStats(self.calls, self.skipped, self.missed, self.rtt_s, self.quiet)
+        self.calls = self.skipped = self.missed = self.quiet = 0
         self.rtt_s = []
         return out
 
@@ -328,10 +333,12 @@ class ShardedDraftClient:
             return None
         drafts: list[list[int]] = [[] for _ in request.rows]
         resend_from = [row.position for row in request.rows]
+        quiet = [0] * len(request.rows)
         for shard, reply in answered.items():
             for j, i in enumerate(rows_of.get(shard, ())):
                 drafts[i], resend_from[i] = reply.drafts[j], reply.resend_from[j]
-        return StepReply(seq=0, drafts=drafts, resend_from=resend_from)
+                quiet[i] = reply.quiet[j] if reply.quiet else 0
+        return StepReply(seq=0, drafts=drafts, resend_from=resend_from, quiet=quiet)
 
     def close(self) -> None:
         for client in self.clients:
@@ -511,6 +518,8 @@ class ServiceProposer:
             ShardedDraftClient(path, deadline_s, self.stats, shards)
         # request id -> context tokens the service holds (as far as we know)
         self.sent: dict[str, int] = {}
+        # request id -> steps left out of the calls (the service's adaptive pause for it)
+        self.quiet: dict[str, int] = {}
         self.hidden_layers = tuple(int(i) for i in os.environ.get(ENV_HIDDEN_LAYERS, "")
                                    .split(",") if i.strip())
         self.hidden: HiddenStates | None = None
@@ -547,6 +556,10 @@ class ServiceProposer:
             request_id = req_ids[i]
             if hidden is not None and request_id in hidden.given_up:
                 continue
+            if self.quiet.get(request_id, 0) > 0:  # its tokens wait for the next row it sends
+                self.quiet[request_id] -= 1
+                self.stats.quiet += 1
+                continue
             position = min(self.sent.get(request_id, 0), num_tokens)
             row = Row(request_id, position, token_ids_cpu[i, position:num_tokens].tolist())
             if hidden is not None:
@@ -559,6 +572,7 @@ class ServiceProposer:
         release = [r for r in self.sent if r not in live]
         for request_id in release:
             del self.sent[request_id]
+            self.quiet.pop(request_id, None)
         if hidden is not None:
             hidden.keep_only(live)
         if not rows and not release:
@@ -570,8 +584,11 @@ class ServiceProposer:
             for row in rows:
                 self.sent[row.request_id] = row.position
             return drafts
-        for slot, limit, row, row_drafts, resend in zip(
-                slots, room, rows, reply.drafts, reply.resend_from, strict=True):
+        quiet = reply.quiet or [0] * len(rows)  # a service that pauses nothing sends none
+        for slot, limit, row, row_drafts, resend, steps in zip(
+                slots, room, rows, reply.drafts, reply.resend_from, quiet, strict=True):
+            if steps > 0:
+                self.quiet[row.request_id] = steps
             if resend < 0:
                 drafts[slot] = row_drafts[:limit]
                 if hidden is not None:

@@ -14,6 +14,9 @@ on a GPU a batch slot. So each request drafts only the tokens likely enough to b
   probe), then nothing for `pause_steps` steps; each probe that does not bring drafting back doubles
   the pause, up to `max_pause_steps`. A request that stops drafting thus costs the target nothing
   but a one-token probe now and then, and picks drafting up again when its text turns copyable.
+- The pause is handed to the engine's proposer (`take_pause`, `StepReply.quiet`): it leaves the
+  request out of the next steps' calls, and when every request of a step is paused it makes no
+  call at all, so a paused request costs neither the service nor the engine a round trip.
 
 Proposals the drafter left empty (no n-gram match) teach nothing and change nothing.
 SGLang adapts its number of draft steps from the observed acceptance length in the same spirit
@@ -89,6 +92,13 @@ class Acceptance:
         self.pause_left = self.next_pause or policy.pause_steps
         self.next_pause = min(2 * self.pause_left, policy.max_pause_steps)
         return min(1, num_speculative_tokens)  # the probe
+
+
+    def take_pause(self) -> int:
+        """The steps left in the current pause, handed to the caller (the proposer skips them):
+        the next proposal is then the probe."""
+        steps, self.pause_left = self.pause_left, 0
+        return steps
 
 
 def worth_drafting(p: float, min_acceptance: float, limit: int) -> int:

@@ -8,7 +8,7 @@ called from one thread: the deployment runs them on a single worker thread, `ste
 Example:
     >>> core = DraftCore({"ngram": lambda: NgramDrafter(min_n=1, max_n=2)}, "ngram")
     >>> core.step({"seq": 3, "k": 2, "rows": [["r1", 0, [4, 5, 6, 4]]], "release": []})[0]
-    {'seq': 3, 'drafts': [[5, 6]], 'resend_from': [-1], 'error': None}
+    {'seq': 3, 'drafts': [[5, 6]], 'resend_from': [-1], 'quiet': [0], 'error': None}
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class DraftCore:
         k = int(message["k"])
         observation = StepObservation(self.active, 0.0)
         self.to_prefetch = []
-        drafts, resend_from = self._draft_rows(message, k)
+        drafts, resend_from, quiet = self._draft_rows(message, k)
         for request_id, row, resend in zip((r[0] for r in message["rows"]), drafts, resend_from,
                                            strict=True):
             observation.num_drafts.append(len(row))
@@ -92,18 +92,21 @@ class DraftCore:
         observation.prefetch_misses = stats.num_prefetch_misses - misses
         observation.seconds = time.perf_counter() - start
         reply = {"seq": message.get("seq"), "drafts": drafts, "resend_from": resend_from,
-                 "error": None}
+                 "quiet": quiet, "error": None}
         if self.deadline_ms is not None:
             reply["deadline_ms"] = self.deadline_ms
         return reply, observation
 
-    def _draft_rows(self, message: dict, k: int) -> tuple[list[list[int]], list[int]]:
-        """Per row: drafts, and -1 or the position to resend from (the service lacks the
-        context). Every row's context first, then every proposal (one pass for a batched
+    def _draft_rows(self, message: dict,
+                    k: int) -> tuple[list[list[int]], list[int], list[int]]:
+        """Per row: drafts; -1 or the position to resend from (the service lacks the context);
+        and the steps its request will draft nothing for (its adaptive pause, which the proposer
+        then skips). Every row's context first, then every proposal (one pass for a batched
         drafter)."""
         rows = message["rows"]
         drafts: list[list[int]] = [[] for _ in rows]
         resend_from = [-1] * len(rows)
+        quiet = [0] * len(rows)
         answered, contexts = [], []
         for i, (request_id, position, new_token_ids, *hidden) in enumerate(rows):
             try:
@@ -127,9 +130,11 @@ class DraftCore:
         for i, proposal in zip(answered, proposals, strict=True):
             if proposal is None:  # evicted by a later row of this step: start it over
                 resend_from[i] = 0
-            else:
+            elif proposal:
                 drafts[i] = proposal
-        return drafts, resend_from
+            else:
+                quiet[i] = self.sessions.take_pause(rows[i][0])
+        return drafts, resend_from, quiet
 
     def _context(self, request_id: str, start: int = -1, hidden: bytes = b"",
                  dtype: str | None = None):

@@ -263,6 +263,12 @@ class DraftSessions:
                 results[i] = list(block[:k])
         return results
 
+    def take_pause(self, request_id: str) -> int:
+        """Steps the request will draft nothing for (its adaptive pause), handed to the caller,
+        which leaves the request out of that many steps; 0 when it is not paused."""
+        session = self._sessions.get(request_id)
+        return session.acceptance.take_pause() if session else 0
+
     def state(self, request_id: str) -> DrafterState | None:
         """The request's drafter state (None without a session)."""
         session = self._sessions.get(request_id)

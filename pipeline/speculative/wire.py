@@ -49,6 +49,7 @@ class StepStats(msgspec.Struct):
     skipped: int = 0  # no call: the previous one is still pending, or no connection yet
     missed: int = 0  # the reply missed the deadline
     rtt_s: list[float] = []
+    quiet: int = 0  # rows left out: their request was in an adaptive pause (`StepReply.quiet`)
 
 
 class StepRequest(msgspec.Struct, kw_only=True):
@@ -68,6 +69,9 @@ class StepReply(msgspec.Struct, kw_only=True):
     seq: int
     drafts: list[list[int]] = []  # one per row, maybe empty
     resend_from: list[int] = []  # one per row: -1, or the position to resend from
+    # One per row (or none): the next steps its request drafts nothing for (an adaptive pause);
+    # the proposer leaves the request out of that many steps and then sends all it skipped.
+    quiet: list[int] = []
     error: str | None = None  # the step failed: no drafts, resend every row
     deadline_ms: float | None = None  # the proposer's deadline from now on (the service's say)
 

@@ -97,7 +97,7 @@ def test_step_request_keeps_its_wire_format_and_rejects_a_bad_one():
     # What DraftCore.step reads (and what the socket carried before the schema).
     assert msgspec.msgpack.decode(payload) == {
         "seq": 4, "k": 3, "rows": [["a", 0, COPY, -1, b""]], "release": ["b"],
-        "stats": {"calls": 0, "skipped": 0, "missed": 0, "rtt_s": []},
+        "stats": {"calls": 0, "skipped": 0, "missed": 0, "rtt_s": [], "quiet": 0},
         "hidden_dtype": "bfloat16"}
     decoded = msgspec.msgpack.decode(payload, type=StepRequest)
     assert decoded == request
@@ -115,7 +115,7 @@ def test_draft_core_reply_fits_the_reply_schema():
     c.deadline_ms = 40
     reply, _ = c.step(msgspec.to_builtins(StepRequest(seq=2, k=3, rows=[Row("a", 0, COPY)])))
     assert msgspec.convert(reply, StepReply) == StepReply(
-        seq=2, drafts=[[10, 11, 12]], resend_from=[-1], deadline_ms=40.0)
+        seq=2, drafts=[[10, 11, 12]], resend_from=[-1], quiet=[0], deadline_ms=40.0)
 
 
 class Endpoints:

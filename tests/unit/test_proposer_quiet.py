@@ -1,0 +1,135 @@
+"""The adaptive pause handed to the engine's proposer (`StepReply.quiet`): a paused request is left
+out of the DraftService calls, and a step whose requests are all paused makes no call.
+
+The real `ServiceProposer._propose` talks to a real `DraftCore` (n-gram drafter) in-process, with
+each message encoded and decoded as on the wire; a simulated greedy target decodes a known text,
+keeping the drafts that match it and adding one token of its own each step.
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import msgspec
+import numpy as np
+
+from moonserve.pipeline.engine.proposer import ProposerStats, ServiceProposer
+from moonserve.pipeline.speculative.adaptive import AdaptivePolicy
+from moonserve.pipeline.speculative.ngram import NgramDrafter
+from moonserve.pipeline.speculative.service import DraftCore
+from moonserve.pipeline.speculative.wire import StepReply, StepRequest
+
+K = 4
+MAX_LEN = 4096
+
+
+class CoreClient:
+    """`DraftClient.call` over a `DraftCore` in this process, through the wire encoding."""
+
+    def __init__(self, core: DraftCore):
+        self.core = core
+        self.calls = 0
+        self.rows = 0
+
+    def call(self, request: StepRequest) -> StepReply:
+        self.calls += 1
+        self.rows += len(request.rows)
+        message = msgspec.msgpack.decode(msgspec.msgpack.encode(request))
+        reply, _ = self.core.step(message)
+        return msgspec.msgpack.decode(msgspec.msgpack.encode(reply), type=StepReply)
+
+
+def proposer(client: CoreClient, req_ids: list[str]) -> ServiceProposer:
+    """A ServiceProposer as vLLM builds it, with the model runner's batch faked."""
+    out = object.__new__(ServiceProposer)
+    batch = SimpleNamespace(req_ids=req_ids, generators={}, random_reqs=set())
+    out.k, out.max_model_len, out.tp_size = K, MAX_LEN, 1
+    out.runner = SimpleNamespace(input_batch=batch)
+    out.stats, out.client = ProposerStats(), client
+    out.sent, out.quiet, out.hidden_layers, out.hidden = {}, {}, (), None
+    return out
+
+
+def decode(texts: dict[str, list[int]], prompt_len: int, policy: AdaptivePolicy) -> dict:
+    """Decode every text at once (one batch row each) to its end; the service's sessions and
+    the number of steps, calls and accepted drafts."""
+    core = DraftCore({"ngram": lambda: NgramDrafter(min_n=2, max_n=4)}, "ngram",
+                     prefetch=False, adaptive=policy)
+    client = CoreClient(core)
+    ids = list(texts)
+    prop = proposer(client, ids)
+    tokens = np.zeros((len(ids), MAX_LEN), dtype=np.int64)
+    lengths = [prompt_len] * len(ids)
+    drafts = [[] for _ in ids]
+    steps = accepted = 0
+    tail_accepted = {r: 0 for r in ids}
+    while any(n < len(texts[r]) for r, n in zip(ids, lengths)):
+        sampled = []
+        for i, r in enumerate(ids):
+            truth, n = texts[r], lengths[i]
+            if n >= len(truth):
+                sampled.append([])
+                continue
+            kept = 0
+            while kept < len(drafts[i]) and n + kept < len(truth) and \
+                    drafts[i][kept] == truth[n + kept]:
+                kept += 1
+            new = truth[n:n + kept + 1]
+            tokens[i, n:n + len(new)] = new
+            lengths[i] += len(new)
+            accepted += kept
+            tail_accepted[r] += kept if n >= len(truth) - 150 else 0
+            sampled.append(new)
+        steps += 1
+        drafts = prop._propose(sampled, np.array(lengths), tokens)
+    prop.runner.input_batch.req_ids = []  # every request left: released at the next step
+    prop._propose([], np.array([]), tokens)
+    return {"steps": steps, "calls": client.calls, "rows": client.rows, "accepted": accepted,
+            "tail_accepted": tail_accepted, "core": core, "quiet": prop.stats.quiet}
+
+
+def noise_then_copy(rng: random.Random) -> list[int]:
+    """300 tokens of 3 symbols (n-grams match, continuations are chance), then 10 copies of a
+    block of 50 distinct tokens (long enough for the widest pause the noise earns to end)."""
+    block = list(range(100, 150))
+    return [rng.randrange(3) for _ in range(300)] + block * 10
+
+
+def test_paused_requests_are_left_out_and_all_paused_steps_make_no_call():
+    rng = random.Random(0)
+    texts = {f"r{i}": noise_then_copy(rng) for i in range(3)}
+    fixed = decode(texts, 20, AdaptivePolicy(enabled=False))
+    adaptive = decode(texts, 20, AdaptivePolicy())
+    # Fixed k: one call per step, every request in it.
+    assert fixed["calls"] == fixed["steps"] + 1  # + the final release
+    # Adaptive: over the noise most rows and most calls are skipped.
+    assert adaptive["rows"] < 0.5 * fixed["rows"]
+    assert adaptive["calls"] < 0.6 * adaptive["steps"]
+    assert adaptive["quiet"] > 0
+    # ...and drafting comes back once the text turns copyable.
+    assert all(n > 100 for n in adaptive["tail_accepted"].values()), adaptive["tail_accepted"]
+
+
+def test_skipped_tokens_reach_the_service_with_the_next_row():
+    """While a request is quiet its tokens wait; the next row it sends carries all of them, so
+    the service's context is the whole text every time it drafts (checked at the end, before the
+    release: the sessions hold exactly the decoded tokens)."""
+    rng = random.Random(1)
+    texts = {"a": noise_then_copy(rng)}
+    core = DraftCore({"ngram": lambda: NgramDrafter(min_n=2, max_n=4)}, "ngram",
+                     prefetch=False, adaptive=AdaptivePolicy())
+    client = CoreClient(core)
+    prop = proposer(client, ["a"])
+    truth = texts["a"]
+    tokens = np.zeros((1, MAX_LEN), dtype=np.int64)
+    tokens[0, :len(truth)] = truth
+    skipped_some = False
+    for n in range(20, len(truth) + 1):
+        calls = client.calls
+        prop._propose([[truth[n - 1]]], np.array([n]), tokens)
+        skipped_some |= client.calls == calls
+        if client.calls > calls:  # the service got everything up to n
+            assert core.sessions.num_tokens("a") == n
+            assert core.sessions.state("a").token_ids == truth[:n]
+    assert skipped_some
