@@ -219,12 +219,11 @@ class DraftSessions:
         session = self._sessions.get(request_id)
         if session is None:
             raise UnknownRequestError(request_id)
-        self._touch(session)
-        key = (session.num_tokens, num_speculative_tokens)
-        if session.cached_proposal is not None and session.cached_proposal[:2] == key:
-            self.stats.num_cached_proposals += 1
-            return list(session.cached_proposal[2])
-        session.cached_proposal = (*key, self._new_proposal(session, num_speculative_tokens))
+        known = self._known_proposal(session, num_speculative_tokens)
+        if known is not None:
+            return known
+        session.cached_proposal = (session.num_tokens, num_speculative_tokens,
+                                   self._new_proposal(session, num_speculative_tokens))
         return list(session.cached_proposal[2])
 
     def propose_many(self, request_ids: Sequence[str],
@@ -242,18 +241,14 @@ class DraftSessions:
             session = self._sessions.get(request_id)
             if session is None:
                 continue
-            self._touch(session)
-            key = (session.num_tokens, num_speculative_tokens)
-            if session.cached_proposal is not None and session.cached_proposal[:2] == key:
-                self.stats.num_cached_proposals += 1
-                results[i] = list(session.cached_proposal[2])
-                continue
-            k = session.acceptance.num_drafts(num_speculative_tokens, self.adaptive)
-            if k == 0:
-                self.stats.num_paused += 1
-                session.cached_proposal, results[i] = (*key, []), []
-            else:
-                pending.append((i, session, k))
+            results[i] = self._known_proposal(session, num_speculative_tokens)
+            if results[i] is None:
+                k = self._depth(session, num_speculative_tokens)
+                if k == 0:
+                    session.cached_proposal = (session.num_tokens, num_speculative_tokens, [])
+                    results[i] = []
+                else:
+                    pending.append((i, session, k))
         if pending:
             blocks = self.drafter.propose_batch([s.state for _, s, _ in pending],
                                                 num_speculative_tokens)
@@ -274,11 +269,28 @@ class DraftSessions:
         session = self._sessions.get(request_id)
         return session.state if session else None
 
-    def _new_proposal(self, session: DraftSession, num_speculative_tokens: int) -> list[int]:
+    def _known_proposal(self, session: DraftSession,
+                        num_speculative_tokens: int) -> list[int] | None:
+        """The session's proposal for its current context, when it already made one (the call
+        is idempotent); None when a new one is due."""
+        self._touch(session)
+        proposal = session.cached_proposal
+        if proposal is None or proposal[:2] != (session.num_tokens, num_speculative_tokens):
+            return None
+        self.stats.num_cached_proposals += 1
+        return list(proposal[2])
+
+    def _depth(self, session: DraftSession, num_speculative_tokens: int) -> int:
+        """How many tokens the session's acceptance makes worth drafting now (0: paused)."""
         k = session.acceptance.num_drafts(num_speculative_tokens, self.adaptive)
         if k == 0:
             session.prefetched = None
             self.stats.num_paused += 1
+        return k
+
+    def _new_proposal(self, session: DraftSession, num_speculative_tokens: int) -> list[int]:
+        k = self._depth(session, num_speculative_tokens)
+        if k == 0:
             return []
         drafts = self._take_prefetch(session, k)
         if drafts is None:

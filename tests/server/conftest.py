@@ -42,7 +42,7 @@ class RunningServer:
         return serve.get_deployment_handle("LanguageModel", app_name=app_name)
 
     def lm_stats(self) -> dict:
-        return self.lm_handle().stats.remote().result()
+        return self.lm_handle().stats.remote().result(timeout_s=60)
 
     @contextmanager
     def router_app(self, name: str, **router_args):

@@ -47,7 +47,7 @@ async def storm(url: str) -> dict:
 def wait_drained(server, router, timeout_s=60.0) -> tuple[dict, dict]:
     deadline = time.monotonic() + timeout_s
     while True:
-        lm, lanes = server.lm_stats(), router.lane_stats.remote().result()
+        lm, lanes = server.lm_stats(), router.lane_stats.remote().result(timeout_s=60)
         idle = lm["num_unfinished_requests"] == 0 and all(
             (s["queued"], s["in_flight"]) == (0, 0) for s in lanes.values())
         if idle or time.monotonic() > deadline:

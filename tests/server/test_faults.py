@@ -170,10 +170,10 @@ def test_killed_draft_service_costs_speculation_not_tokens(server):
     body = {"model": MODEL, "messages": [{"role": "user", "content": copy_prompts(1, seed=9)[0]}],
             "max_tokens": 160, "ignore_eos": True, "temperature": 0}
     handle = draft_handle(server)
-    handle.set_drafter.remote("none").result()
+    handle.set_drafter.remote("none").result(timeout_s=60)
     reference = httpx.post(f"{server.base_url}/v1/chat/completions", json=body,
                            timeout=120).json()["choices"][0]["message"]["content"]
-    handle.set_drafter.remote("ngram").result()
+    handle.set_drafter.remote("ngram").result(timeout_s=60)
 
     progress = threading.Event()
     with ThreadPoolExecutor(1) as pool:

@@ -52,7 +52,7 @@ def chat(content="Count to fifty.", max_tokens=4, **fields) -> dict:
 
 
 def lane_stats(handle) -> dict:
-    return handle.lane_stats.remote().result()
+    return handle.lane_stats.remote().result(timeout_s=60)
 
 
 async def wait_for(handle, predicate, timeout_s=20.0) -> dict:

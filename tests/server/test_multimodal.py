@@ -34,7 +34,7 @@ def encoder_stats(server) -> dict:
     from ray import serve
 
     server.lm_handle()  # joins the cluster
-    return serve.get_deployment_handle("VisionEncoder", app_name="moonserve").stats.remote().result()
+    return serve.get_deployment_handle("VisionEncoder", app_name="moonserve").stats.remote().result(timeout_s=60)
 
 
 def test_image_tokens_count_in_usage_and_the_answer_is_deterministic(client):

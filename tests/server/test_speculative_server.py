@@ -36,13 +36,13 @@ DEADLINE_MS = {"dspark": 1000.0}
 @contextmanager
 def drafter(server, name: str):
     handle = draft_handle(server)
-    handle.set_drafter.remote(name).result()
-    handle.set_deadline.remote(DEADLINE_MS.get(name)).result()
+    handle.set_drafter.remote(name).result(timeout_s=60)
+    handle.set_deadline.remote(DEADLINE_MS.get(name)).result(timeout_s=60)
     try:
         yield handle
     finally:
-        handle.set_drafter.remote("ngram").result()
-        handle.set_deadline.remote(None).result()
+        handle.set_drafter.remote("ngram").result(timeout_s=60)
+        handle.set_deadline.remote(None).result(timeout_s=60)
 
 
 def spec_counters(server) -> tuple[int, int]:
@@ -220,11 +220,11 @@ def test_seeded_sampled_requests_get_no_drafts_and_repeat(server, client):
 
 def test_sessions_are_released_as_requests_finish(server, client):
     handle = draft_handle(server)
-    before = handle.stats.remote().result()
+    before = handle.stats.remote().result(timeout_s=60)
     for prompt in copy_prompts(12, seed=5):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
                                        max_tokens=8)
-    after = handle.stats.remote().result()
+    after = handle.stats.remote().result(timeout_s=60)
     assert after["num_opened"] - before["num_opened"] >= 12
     # Each request leaves the batch before the next starts: only the last may still be open.
     assert after["num_sessions"] <= 1
