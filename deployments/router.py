@@ -92,8 +92,8 @@ class Router:
             chat_template_text(chat.template) if chat.template else None)
         self.prompts.rendering = rendering_for(model_path)
         self.parsing = ChatParsing(self.prompts.tokenizer, chat, self.prompts.rendering)
-        self.images = None if vision is None else image_fan_in(vision, preprocessor, encoder,
-                                                               model_path)
+        self.images = None if vision is None else image_fan_in(
+            vision, preprocessor, encoder, model_path, self.prompts.tokenizer)
         self.image_placeholder_id = None if self.images is None else \
             self.prompts.token_id(self.images.placeholder)
         self.metrics = RouterMetrics()
@@ -179,10 +179,11 @@ class Router:
         images = await self.start_images(body)
         placeholder = "" if self.images is None else self.images.placeholder
         text = None if self.images is None else self.images.text
+        counts = [] if self.images is None else self.images.counts(images.infos)
         try:
             prompt_ids = await self.tokenize(
                 lambda b: self.prompts.chat_prompt_ids(
-                    b.messages, placeholder, images.num_tokens(), template_kwargs=b.template_kwargs(),
+                    b.messages, placeholder, counts, template_kwargs=b.template_kwargs(),
                     template_param="chat_template_kwargs" if b.chat_template_kwargs else "messages",
                     image_text=text),
                 body,
@@ -241,7 +242,7 @@ class Router:
             image_tokens = []
             if parts:
                 self.check_vision(parts)
-                image_tokens = [i.num_image_tokens for i in await self.images.layout(parts)]
+                image_tokens = self.images.counts(await self.images.layout(parts))
             ids = await self.tokenize(lambda b: self.prompts.chat_prompt_ids(
                 b.messages, self.images.placeholder if parts else "", image_tokens,
                 add_generation_prompt=b.add_generation_prompt,
@@ -419,15 +420,23 @@ class Router:
                 stream.cancel()
 
 
-def image_fan_in(vision: VisionConfig, preprocessor, encoder, model_path: str) -> ImageFanIn:
+def image_fan_in(vision: VisionConfig, preprocessor, encoder, model_path: str,
+                 tokenizer) -> ImageFanIn:
     """With `handover: encoder_cache` each image's prompt text is the model's own placeholder
-    text (vLLM's `get_placeholder_str`)."""
+    text (vLLM's `get_placeholder_str`), and an image counts the tokens vLLM's processor writes
+    around its pads too."""
     if vision.handover != "encoder_cache":
         return ImageFanIn(vision.image_placeholder, preprocessor, encoder)
     from moonserve.pipeline.engine.image_format import image_format
 
-    return ImageFanIn(vision.image_placeholder, preprocessor, encoder,
-                      image_format(model_path).placeholder_text, engine_cache=True)
+    fmt = image_format(model_path)
+
+    def extra_tokens(width: int, height: int) -> int:
+        return sum(len(tokenizer.encode(text, add_special_tokens=False))
+                   for text in fmt.wrapper(width, height))
+
+    return ImageFanIn(vision.image_placeholder, preprocessor, encoder, fmt.placeholder_text,
+                      engine_cache=True, extra_tokens=extra_tokens)
 
 
 def template_tokens(prompts: PromptBuilder) -> int | None:

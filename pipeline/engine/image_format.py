@@ -13,6 +13,9 @@ API (all that other modules should use):
 - `ImageFormat.placeholder_text`: one image in the prompt, before vLLM expands it.
 - `ImageFormat.multi_modal(images, keys) -> dict`: the `multi_modal_data` and `multi_modal_uuids`
   entries of a vLLM prompt for PIL `images` under `keys`, in prompt order.
+- `ImageFormat.wrapper(width, height) -> (before, after)`: the text vLLM's processor writes around
+  an image's pads in place of the placeholder ("", "" when the placeholder text already holds it),
+  so the router counts an image as the engine will: its pads plus the wrapper's tokens.
 
 Example:
     >>> fmt = ImageFormat("KimiK25ForConditionalGeneration", "vision_chunk", "<|media_pad|>", True)
@@ -26,13 +29,16 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-# Architecture -> (the modality its processor takes images under, whether an item is a dict).
-# Kimi K2.5 takes every medium as a `vision_chunk`: an image is {"type": "image", "image": PIL,
-# "uuid": key} (vllm/model_executor/models/kimi_k25.py, `get_supported_mm_limits`); Kimi K3 takes
-# plain PIL images as `image` (vllm/models/kimi_k3/common/mm_preprocess.py).
+# Architecture -> (the modality its processor takes images under, whether an item is a dict,
+# whether the processor writes `<|media_begin|>image {w}x{h}<|media_content|>` ... `<|media_end|>`
+# around the pads). Kimi K2.5 takes every medium as a `vision_chunk`: an image is {"type": "image",
+# "image": PIL, "uuid": key}, and its placeholder text already holds begin/content/end
+# (vllm/model_executor/models/kimi_k25.py); Kimi K3 takes plain PIL images as `image` and replaces
+# its one-token placeholder with the whole sequence, sized by the original upload
+# (vllm/models/kimi_k3/common/mm_preprocess.py, `_get_prompt_updates`).
 MODALITIES = {
-    "KimiK25ForConditionalGeneration": ("vision_chunk", True),
-    "KimiK3ForConditionalGeneration": ("image", False),
+    "KimiK25ForConditionalGeneration": ("vision_chunk", True, False),
+    "KimiK3ForConditionalGeneration": ("image", False, True),
 }
 
 
@@ -42,6 +48,12 @@ class ImageFormat:
     modality: str
     placeholder_text: str
     chunk_items: bool  # items are K2.5's {"type": "image", "image": ..., "uuid": ...}
+    sized_wrapper: bool = False  # the processor writes K3's sized begin/content/end around pads
+
+    def wrapper(self, width: int, height: int) -> tuple[str, str]:
+        if not self.sized_wrapper:
+            return "", ""
+        return f"<|media_begin|>image {width}x{height}<|media_content|>", "<|media_end|>"
 
     def multi_modal(self, images: list, keys: list[str]) -> dict:
         items = [{"type": "image", "image": image, "uuid": key} if self.chunk_items else image
@@ -61,6 +73,6 @@ def image_format(model_path: str | Path) -> ImageFormat:
     model_cls = ModelRegistry._try_load_model_cls(architecture)
     if model_cls is None:
         raise ValueError(f"vision.handover encoder_cache: this vLLM has no {architecture}")
-    modality, chunk_items = MODALITIES[architecture]
+    modality, chunk_items, sized_wrapper = MODALITIES[architecture]
     return ImageFormat(architecture, modality, model_cls.get_placeholder_str("image", 1),
-                       chunk_items)
+                       chunk_items, sized_wrapper)

@@ -25,11 +25,12 @@ class ImageFanIn:
     `placeholder` is the token expanded to one per image token; `text` the prompt text of one
     image (default: the placeholder itself), which must hold the placeholder once. `engine_cache`
     (vision.handover encoder_cache): the LanguageModel gets the decoded images, and the encoder
-    outputs only as references (`EncodingImages.engine_inputs`).
+    outputs only as references (`EncodingImages.engine_inputs`). `extra_tokens(width, height)`:
+    the tokens the engine's processor adds to an image's pads (K3's sized wrapper; default none).
     """
 
     def __init__(self, placeholder: str, preprocessor, encoder, text: str | None = None,
-                 engine_cache: bool = False):
+                 engine_cache: bool = False, extra_tokens=None):
         self.placeholder = placeholder
         self.text = placeholder if text is None else text
         if self.text.count(placeholder) != 1:
@@ -38,6 +39,13 @@ class ImageFanIn:
         self.preprocessor = preprocessor
         self.encoder = encoder
         self.engine_cache = engine_cache
+        self.extra_tokens = extra_tokens
+
+    def counts(self, infos: list[ImageInfo]) -> list[int]:
+        """Each image's positions in the prompt, as the engine will have them."""
+        if self.extra_tokens is None:
+            return [info.num_image_tokens for info in infos]
+        return [info.num_image_tokens + self.extra_tokens(*info.image_size) for info in infos]
 
     async def start(self, parts: list[tuple[int, int, str]]) -> EncodingImages:
         infos = await self.layout(parts)
@@ -64,9 +72,6 @@ class EncodingImages:
     @classmethod
     def none(cls) -> EncodingImages:
         return cls([], [])
-
-    def num_tokens(self) -> list[int]:
-        return [info.num_image_tokens for info in self.infos]
 
     def release(self) -> None:
         """Cancel encodings still running (a refused or finished request) and drop the refs,

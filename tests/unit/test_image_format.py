@@ -41,3 +41,54 @@ def test_an_architecture_without_a_known_format_is_refused(tmp_path):
     with pytest.raises(ValueError, match="is a LlamaForCausalLM; the image format is known for "
                                          + ", ".join(MODALITIES)):
         image_format(write_config(tmp_path / "llama", "LlamaForCausalLM"))
+
+
+@pytest.fixture(scope="module")
+def k3_processor(tmp_path_factory):
+    """vLLM's own multimodal processor of a synthetic K3 checkpoint (config, preprocessor config
+    and tokenizer; no weights)."""
+    from vllm.config import ModelConfig
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    from moonserve.pipeline.models.k3_synthetic import write_k3_config
+
+    checkpoint = write_k3_config(tmp_path_factory.mktemp("models") / "k3")
+    config = ModelConfig(model=str(checkpoint), trust_remote_code=True,
+                         limit_mm_per_prompt={"image": 1})
+    return checkpoint, MULTIMODAL_REGISTRY.create_processor(config)
+
+
+@pytest.mark.parametrize("size", [(64, 48), (1000, 17), (300, 301), (2000, 1500)])
+def test_the_router_counts_a_k3_image_as_vllms_processor_expands_it(k3_processor, size):
+    """The positions the router gives an image (its pads from the preprocessor's layout, plus
+    the tokens of K3's sized wrapper) are the tokens vLLM's K3 processor puts in its place."""
+    import io
+
+    from PIL import Image
+
+    from moonserve.deployments.preprocess import decode_and_count
+    from moonserve.deployments.router import image_fan_in
+    from moonserve.pipeline.api.prompt import PromptBuilder
+    from moonserve.pipeline.api.protocol import ImageInfo
+    from moonserve.pipeline.config import VisionConfig
+    from moonserve.pipeline.vision.preprocess_config import PreprocessConfig
+
+    checkpoint, processor = k3_processor
+    media = json.loads((checkpoint / "preprocessor_config.json").read_text())["media_proc_cfg"]
+    cfg = PreprocessConfig(patch_size=media["patch_size"],
+                           in_patch_limit=media["in_patch_limit"],
+                           patch_limit_on_one_side=media["patch_limit_on_one_side"])
+    out = io.BytesIO()
+    Image.new("RGB", size, (200, 10, 10)).save(out, format="PNG")
+    image, grid_thw, num_tokens = decode_and_count(out.getvalue(), cfg)
+    info = ImageInfo("key", tuple(grid_thw), num_tokens, image.size, None)
+    vision = VisionConfig(handover="encoder_cache",
+                          image_placeholder="<|kimi_image_placeholder|>")
+    tokenizer = PromptBuilder.from_pretrained(str(checkpoint), True).tokenizer
+    fan_in = image_fan_in(vision, None, None, str(checkpoint), tokenizer)
+
+    items = processor.info.parse_mm_data({"image": [image]})
+    [update] = processor._get_prompt_updates(items, {}, None)
+    expanded = update.replacement(0).full  # vLLM's tokens for this image
+    assert fan_in.counts([info]) == [len(expanded)]
+    assert expanded.count(processor.info.media_token_id) == num_tokens
