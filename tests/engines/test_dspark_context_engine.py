@@ -14,20 +14,16 @@ session server's starts (tests/engines runs before tests/server).
 from __future__ import annotations
 
 import json
-import multiprocessing
-import sys
 
 import openai
 import pytest
 import torch
-import yaml
 from safetensors.torch import save_file
 
-from moonserve.pipeline.app.launch import ServerProcess
 from moonserve.pipeline.bench.corpus import copy_prompts
-from moonserve.pipeline.config import DEFAULT_CONFIG
 from moonserve.pipeline.models.dspark import DSparkConfig, DSparkModel
 from tests.conftest import MODEL
+from tests.engines.own_app import local_args, running_app, serve_calls_in_child
 
 HTTP_PORT = 8131
 TOKENS = 24
@@ -59,46 +55,21 @@ def write_drafter(directory) -> None:
 def app(tmp_path_factory):
     root = tmp_path_factory.mktemp("dspark-context")
     write_drafter(root / "drafter")
-    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    args = data["applications"][0]["args"]
+    data, args = local_args()
     args["vision"] = None
+    # Adaptive depth off: a paused request's rows would wait out its pause (StepReply.quiet), and
+    # those of its last steps would never be sent, so the row count below would not be exact.
     args["draft"] = {**args.get("draft", {}), "mode": "service", "drafter": "dspark_context",
-                     "model": str(root / "drafter"), "deadline_ms": 2000.0}
-    config = root / "app.yaml"
-    config.write_text(yaml.safe_dump(data, sort_keys=False))
-    process = ServerProcess(
-        [sys.executable, "-m", "moonserve.pipeline.app.cli", "serve", "--config", str(config),
-         "--port", str(HTTP_PORT), "--dashboard-port", str(HTTP_PORT + 150),
-         "--metrics-export-port", str(HTTP_PORT + 160)],
-        f"http://127.0.0.1:{HTTP_PORT}/health", log_path=root / "serve.log",
-        start_timeout_s=420)
-    process.start()
-    try:
+                     "model": str(root / "drafter"), "deadline_ms": 2000.0,
+                     "adaptive": {"enabled": False}}
+    with running_app(root, data, HTTP_PORT) as process:
         yield process
-    finally:
-        assert process.interrupt() == 0, process.log_tail()
-
-
-def call_deployment(deployment: str, method: str, args: tuple):
-    """A Serve handle call, in the `serve_calls` child process."""
-    import ray
-    from ray import serve
-
-    if not ray.is_initialized():
-        ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
-    handle = serve.get_deployment_handle(deployment, app_name="moonserve")
-    return getattr(handle, method).remote(*args).result(timeout_s=120)
 
 
 @pytest.fixture(scope="module")
 def serve_calls(app):
-    """Serve handle calls made from a child process, which goes with the module. A handle in the
-    test process would keep Serve's client state for this app's cluster, and the session server's
-    handles in later tests would then wait on replicas that are gone."""
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        yield lambda deployment, method, *args: pool.apply(call_deployment,
-                                                           (deployment, method, args))
-        pool.terminate()
+    with serve_calls_in_child() as call:
+        yield call
 
 
 @pytest.fixture(scope="module")

@@ -14,23 +14,19 @@ from __future__ import annotations
 
 import base64
 import io
-import multiprocessing
-import sys
 
 import httpx
 import numpy as np
 import openai
 import pytest
 import torch
-import yaml
 from PIL import Image
 from tokenizers import Tokenizer
 
-from moonserve.pipeline.app.launch import ServerProcess
-from moonserve.pipeline.config import DEFAULT_CONFIG
 from moonserve.pipeline.engine.ec_connector import get, has
 from moonserve.pipeline.models.k3_synthetic import token_id
 from moonserve.pipeline.models.k25_synthetic import write_k25_checkpoint
+from tests.engines.own_app import local_args, running_app, serve_calls_in_child
 
 HTTP_PORT = 8132
 MEDIA_PAD = "<|media_pad|>"
@@ -55,8 +51,7 @@ def app(tmp_path_factory):
     root = tmp_path_factory.mktemp("encoder-cache")
     checkpoint = write_k25_checkpoint(root / "k25")
     store = root / "store"
-    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    args = data["applications"][0]["args"]
+    data, args = local_args()
     args["router"]["limits"]["max_images"] = 2
     engine = args["language_model"]["engine"]
     engine.update(model=str(checkpoint), dtype="bfloat16", max_model_len=2048, max_num_seqs=4,
@@ -68,45 +63,16 @@ def app(tmp_path_factory):
                       "preprocessor": {"in_patch_limit": 1024, "patch_limit_on_one_side": 64},
                       "encoder": {"store": str(store), "max_batch_size": 2}}
     args["draft"] = {"mode": "off"}
-    config = root / "app.yaml"
-    config.write_text(yaml.safe_dump(data, sort_keys=False))
-    process = ServerProcess(
-        [sys.executable, "-m", "moonserve.pipeline.app.cli", "serve", "--config", str(config),
-         "--port", str(HTTP_PORT), "--dashboard-port", str(HTTP_PORT + 150),
-         "--metrics-export-port", str(HTTP_PORT + 160)],
-        f"http://127.0.0.1:{HTTP_PORT}/health", log_path=root / "serve.log",
-        start_timeout_s=420)
-    process.start()
-    process.checkpoint, process.store = checkpoint, store
-    try:
+    with running_app(root, data, HTTP_PORT) as process:
+        process.checkpoint, process.store = checkpoint, store
         yield process
-    finally:
-        assert process.interrupt() == 0, process.log_tail()
-
-
-def call_deployment(deployment: str, method: str, args: tuple):
-    """A Serve handle call, in the `serve_calls` child process."""
-    import ray
-    from ray import serve
-
-    if not ray.is_initialized():
-        ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
-    handle = serve.get_deployment_handle(deployment, app_name="moonserve")
-    return getattr(handle, method).remote(*args).result(timeout_s=120)
 
 
 @pytest.fixture(scope="module")
 def serve_calls(app):
-    """Serve handle calls from a child process that goes with the module (a handle in the test
-    process would outlive this app's cluster; see tests/engines/test_dspark_context_engine.py)."""
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        def call(deployment, method, *args):
-            return pool.apply(call_deployment, (deployment, method, args))
-
-        call.pool = pool  # for other functions run in the child
+    with serve_calls_in_child() as call:
         call("LanguageModel", "collective_rpc", "install_image_probe")
         yield call
-        pool.terminate()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,67 @@
+"""A module's own moonserve app and Serve handle calls made from a child process, for the tests in
+tests/engines (each runs its own app, stopped before the session server of tests/server starts).
+
+- `running_app(root, args, port)`: `moonserve serve` on `configs/local.yaml` with its application
+  `args` replaced by `args`, on `port` (dashboard and metrics ports derived), logging to
+  `root/serve.log`; yields the `ServerProcess` and stops it after.
+- `serve_calls_in_child()`: yields `call(deployment, method, *args)`, a Serve handle call made in a
+  spawned child process that goes with the context. A handle in the test process would keep
+  Serve's client state for this app's cluster, and the session server's handles in later tests
+  would then wait on replicas that are gone. `call.pool` runs other functions in that child.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import yaml
+
+from moonserve.pipeline.app.launch import ServerProcess
+from moonserve.pipeline.config import DEFAULT_CONFIG
+
+
+def local_args() -> tuple[dict, dict]:
+    """The parsed `configs/local.yaml` and its application's `args` (edit these in place)."""
+    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    return data, data["applications"][0]["args"]
+
+
+@contextmanager
+def running_app(root: Path, data: dict, port: int):
+    config = root / "app.yaml"
+    config.write_text(yaml.safe_dump(data, sort_keys=False))
+    process = ServerProcess(
+        [sys.executable, "-m", "moonserve.pipeline.app.cli", "serve", "--config", str(config),
+         "--port", str(port), "--dashboard-port", str(port + 150),
+         "--metrics-export-port", str(port + 160)],
+        f"http://127.0.0.1:{port}/health", log_path=root / "serve.log", start_timeout_s=420)
+    process.start()
+    try:
+        yield process
+    finally:
+        assert process.interrupt() == 0, process.log_tail()
+
+
+def call_deployment(deployment: str, method: str, args: tuple):
+    """A Serve handle call, in the child process."""
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+    handle = serve.get_deployment_handle(deployment, app_name="moonserve")
+    return getattr(handle, method).remote(*args).result(timeout_s=120)
+
+
+@contextmanager
+def serve_calls_in_child():
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        def call(deployment: str, method: str, *args):
+            return pool.apply(call_deployment, (deployment, method, args))
+
+        call.pool = pool
+        yield call
+        pool.terminate()
