@@ -488,8 +488,9 @@ class VisionConfig(StrictModel):
     lengths, lanes and usage count image tokens: with `prompt_embeds` the prompt carries it once
     per image (embedded SmolLM2: its unused special token `<empty_output>`) and the LM overwrites
     the run with the encoder's rows; with `encoder_cache` it is the token vLLM's processor expands
-    inside the model's placeholder text (`get_placeholder_str`; Kimi K2.5: `<|media_pad|>`), and
-    the LM hands vLLM the prompt unexpanded.
+    inside the model's placeholder text (`get_placeholder_str`; Kimi K2.5: `<|media_pad|>`; Kimi
+    K3: `<|kimi_image_placeholder|>`, counted with the sized wrapper vLLM writes around the pads),
+    and the LM hands vLLM the prompt unexpanded.
     """
 
     handover: Literal["prompt_embeds", "encoder_cache"] = "prompt_embeds"

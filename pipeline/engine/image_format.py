@@ -4,7 +4,9 @@ With `vision.handover: encoder_cache` images reach vLLM as multimodal inputs, ea
 (the image's SHA-256) as its `multi_modal_uuids` entry, so an `ec_consumer` engine finds the
 encoder output the VisionEncoder stored under that key. The prompt text of one image is the model
 class's own `get_placeholder_str("image", i)`, asked of vLLM's model registry; vLLM's processor
-then expands it to the model's full format (Kimi K2.5: one `<|media_pad|>` per image token).
+then expands it to the model's full format (Kimi K2.5: its placeholder text's one `<|media_pad|>`
+becomes one per image token; Kimi K3: its one-token placeholder becomes
+`<|media_begin|>image {w}x{h}<|media_content|>`, the pads and `<|media_end|>`).
 
 API (all that other modules should use):
 

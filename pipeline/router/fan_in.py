@@ -107,13 +107,17 @@ class EncodingImages:
         return refs
 
 
+_count_mismatch_warned = False
+
+
 def warn_on_count_mismatch(info: ImageInfo, engine_tokens: int) -> None:
     """Once per replica: the router's token count (context checks, lanes) differs from what
     vLLM's processor made of the image, so the preprocessor's layout fields do not match the
     checkpoint's `media_proc_cfg`."""
-    if info.num_image_tokens == engine_tokens or getattr(warn_on_count_mismatch, "done", False):
+    global _count_mismatch_warned
+    if info.num_image_tokens == engine_tokens or _count_mismatch_warned:
         return
-    warn_on_count_mismatch.done = True
+    _count_mismatch_warned = True
     logger.warning("an image of %dx%d counts %d tokens here but %d in vLLM's processor: set "
                    "vision.preprocessor's layout fields to the checkpoint's media_proc_cfg",
                    *info.image_size, info.num_image_tokens, engine_tokens)
