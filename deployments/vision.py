@@ -25,6 +25,18 @@ from moonserve.pipeline.config import EngineConfig, VisionEncoderConfig
 from moonserve.pipeline.api.protocol import ImageInfo, StoredEncoding
 
 
+async def shared_encoding(pending: dict[str, asyncio.Task], key: str, encode):
+    """One encoding per image at a time: the task in progress for `key`, else a new one from
+    `encode()`. The replica owns it, not the request that started it: a caller that goes away
+    (client disconnect) does not fail the others waiting for the same image."""
+    task = pending.get(key)
+    if task is None:
+        task = asyncio.ensure_future(encode())
+        pending[key] = task
+        task.add_done_callback(lambda _: pending.pop(key, None))
+    return await asyncio.shield(task)
+
+
 def load_encoder(config: VisionEncoderConfig, model_path: str):
     import torch
 
@@ -54,14 +66,8 @@ class VisionEncoder:
         self.lookups.inc(tags={"result": "hit" if cached is not None else "miss"})
         if cached is not None:
             return cached
-        task = self.pending.get(info.content_hash)
-        if task is None:
-            # The replica owns the encoding, not the request that started it: a caller that goes
-            # away (client disconnect) does not fail the others waiting for the same image.
-            task = asyncio.ensure_future(self.encode_and_cache(info))
-            self.pending[info.content_hash] = task
-            task.add_done_callback(lambda _: self.pending.pop(info.content_hash, None))
-        return await asyncio.shield(task)
+        return await shared_encoding(self.pending, info.content_hash,
+                                     lambda: self.encode_and_cache(info))
 
     async def encode_and_cache(self, info: ImageInfo) -> np.ndarray:
         embeddings = await self.encode_batch((await info.pixel_values, info.grid_thw))
@@ -150,13 +156,7 @@ class EngineVisionEncoder:
         self.counts["hits" if hit else "misses"] += 1
         self.lookups.inc(tags={"result": "hit" if hit else "miss"})
         if not hit:
-            task = self.pending.get(key)
-            if task is None:
-                # Owned by the replica: a caller that goes away does not fail the others.
-                task = asyncio.ensure_future(self.run_engine(info))
-                self.pending[key] = task
-                task.add_done_callback(lambda _: self.pending.pop(key, None))
-            await asyncio.shield(task)
+            await shared_encoding(self.pending, key, lambda: self.run_engine(info))
         output = await asyncio.to_thread(get, self.store, key)
         return StoredEncoding(key, output.shape[0], ray.put(output))
 
