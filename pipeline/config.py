@@ -620,6 +620,16 @@ class RouterConfig(StrictModel):
     lanes: LanesConfig = LanesConfig()
     rate_limits: RateLimitsConfig = RateLimitsConfig()
     outputs: OutputsConfig = OutputsConfig()
+    # How HTTP clients reach the Router replicas, for every application of the cluster:
+    # - `proxy`: Ray Serve's proxy actor forwards each request, and each SSE event of it as a Ray
+    #   streaming item. It listens on `http_options.host` only (the embedded default: 127.0.0.1).
+    # - `haproxy`: Serve's HAProxy mode (`RAY_SERVE_ENABLE_HA_PROXY=1`, set by `moonserve serve` on
+    #   the cluster it starts; a joined cluster needs it on every `ray start`). HAProxy listens on
+    #   the HTTP port and forwards to each Router replica's own HTTP server (Serve's direct ingress,
+    #   ports from 30000 on `http_options.host` too, which HAProxy on other nodes must reach), so
+    #   no Ray hop carries tokens to the client. HAProxy's stats and metrics ports (8404, 9101)
+    #   listen on every interface.
+    ingress: Literal["proxy", "haproxy"] = "proxy"
 
     @model_validator(mode="after")
     def _replica_holds_its_lanes(self) -> RouterConfig:

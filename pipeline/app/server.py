@@ -21,6 +21,19 @@ from moonserve.pipeline.config import EMBEDDED_MODEL, AppConfig, load_serve_conf
 # What ray.shutdown left of the local cluster gets this long after SIGTERM, then SIGKILL.
 STOP_GRACE_S = 10.0
 
+# Ray Serve's timers for the local cluster `moonserve serve` starts (a variable already in the
+# environment wins; a joined cluster has what its `ray start` had). With Serve's defaults they
+# take CPU from the engine on a small machine (`moonserve bench overhead`: the
+# `pipeline_serve_defaults` arm has Ray's defaults):
+# - the controller's loop every 0.5 s instead of 0.1 s (its reaction to a dead replica or a new
+#   deployment; health checks stay every 10 s);
+# - replicas and handles export Serve's request metrics every 1 s instead of 0.1 s (Prometheus
+#   scrapes every few seconds).
+SERVE_ENV = {
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
+}
+
 
 @dataclass(frozen=True)
 class ServeOptions:
@@ -64,16 +77,40 @@ def read_apps(path: Path) -> tuple[dict, list[AppSpec]]:
                             external))
     serve_wide = {"http_options": data.get("http_options") or {},
                   "proxy_location": data.get("proxy_location")}
+    ingress(apps)
     return serve_wide, apps
 
 
-def start_ray(options: ServeOptions) -> None:
+def ingress(apps: list[AppSpec]) -> str:
+    """The cluster's `router.ingress`, which every application must share (it is Serve's mode)."""
+    modes = {app.name: app.config.router.ingress for app in apps}
+    if len(set(modes.values())) > 1:
+        raise ValueError(f"router.ingress differs between applications ({modes}): it is the "
+                         "whole cluster's way in; give every application the same")
+    return next(iter(modes.values()))
+
+
+def cluster_env(apps: list[AppSpec]) -> dict[str, str]:
+    """Environment for the local cluster `moonserve serve` starts: SERVE_ENV where the
+    environment does not already say, and Serve's HAProxy mode for `router.ingress: haproxy`."""
+    env = {name: os.environ.get(name, value) for name, value in SERVE_ENV.items()}
+    if ingress(apps) == "haproxy":
+        env["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
+    return env
+
+
+def start_ray(options: ServeOptions, apps: list[AppSpec]) -> None:
     import ray
 
     if options.address:
+        if ingress(apps) == "haproxy":
+            # Serve reads it in each node's processes, which `ray start` started.
+            print("moonserve: router.ingress is haproxy: every node of the cluster must have been "
+                  "started with RAY_SERVE_ENABLE_HA_PROXY=1 (else Serve's proxy serves)", flush=True)
         ray.init(address=options.address)
         return
     become_subreaper()
+    os.environ.update(cluster_env(apps))  # the cluster's processes inherit the driver's env
     ray.init(include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=options.dashboard_port,
              _metrics_export_port=options.metrics_export_port)
 
@@ -159,10 +196,12 @@ def run_until_signalled(options: ServeOptions) -> int:
     listen(handler)
     try:
         prepare_embedded(apps)
-        start_ray(options)
+        start_ray(options, apps)
         listen(handler)  # ray.init installs its own SIGTERM handler (it aborts the driver)
         host, port = deploy(options, serve_wide, apps)
-        print(f"moonserve: OpenAI API at http://{host}:{port}/v1 (health: /health)", flush=True)
+        via = "Serve's HAProxy" if ingress(apps) == "haproxy" else "Serve's proxy"
+        print(f"moonserve: OpenAI API at http://{host}:{port}/v1 (health: /health; through {via})",
+              flush=True)
         if not options.address:
             print(f"moonserve: Ray dashboard at http://127.0.0.1:{options.dashboard_port}"
                   f"{dashboard_login()}", flush=True)

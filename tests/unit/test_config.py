@@ -100,6 +100,29 @@ def test_serve_rejects_ray_deployment_overrides(tmp_path):
         read_apps(path)
 
 
+def test_ingress_is_the_clusters_and_sets_serves_haproxy_mode(tmp_path, monkeypatch):
+    from moonserve.pipeline.app.server import SERVE_ENV, cluster_env
+
+    data = yaml.safe_load(LOCAL_CONFIG.read_text())
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    for name in SERVE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert cluster_env(read_apps(path)[1]) == SERVE_ENV  # proxy: Serve's default mode
+    monkeypatch.setenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.2")  # the user's own wins
+    data["applications"][0]["args"]["router"]["ingress"] = "haproxy"
+    path.write_text(yaml.safe_dump(data))
+    assert cluster_env(read_apps(path)[1]) == SERVE_ENV | {
+        "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.2", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
+    second = {**data["applications"][0], "name": "other", "route_prefix": "/other"}
+    second["args"] = {**second["args"], "router": {**second["args"]["router"], "ingress": "proxy"}}
+    data["applications"].append(second)
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ValueError, match=r"router.ingress differs between applications "
+                                         r"\(\{'moonserve': 'haproxy', 'other': 'proxy'\}\)"):
+        read_apps(path)
+
+
 def test_an_external_scaler_app_has_no_autoscaling(tmp_path):
     data = yaml.safe_load(LOCAL_CONFIG.read_text())
     data["applications"][0]["external_scaler_enabled"] = True
