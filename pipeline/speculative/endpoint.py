@@ -20,7 +20,9 @@ straight to the DraftService replica (a DEALER socket talking to a ROUTER):
   `moonserve.pipeline.speculative.shards`), asking Serve (through the handle) only when it has
   none, the proposer reports the one it has as stale (the replica was replaced), or, sharded,
   every `REFRESH_S`. Serve thus still owns placement and restarts; it is just off the per-step
-  path.
+  path. Built on the replica's event loop, it makes each handle call there (the resolver's own
+  thread only waits): with `RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0`, Serve routes a handle's
+  calls on the loop that makes them, and a thread without one cannot call it at all.
 - `connect_step_socket`: the proposer's side of the step connection, with a monitor socket that
   says when the handshake succeeded and when the connection is lost (`LOST`).
 
@@ -35,6 +37,7 @@ Example:
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import secrets
@@ -213,10 +216,15 @@ class EndpointResolver(_RouterServer):
 
     With `shards` above 1 it answers per shard (`endpoint(shard)`, which the DraftService's
     `ShardRouter` sends to that shard's replica) and asks Serve again once an answer is
-    `refresh_s` old, so a shard moves back to its replica after a restart."""
+    `refresh_s` old, so a shard moves back to its replica after a restart. Made inside a running
+    event loop (the replica's), it calls the handle on that loop."""
 
     def __init__(self, handle, timeout_s: float, shards: int = 1, refresh_s: float = REFRESH_S):
         super().__init__("draft-resolver")
+        try:
+            self.loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self.loop = None
         self.dir = Path(tempfile.mkdtemp(prefix="moonserve-draft-"))  # 0700: this user only
         self.path = str(self.dir / "resolver.sock")
         self.sock.bind(f"ipc://{self.path}")
@@ -239,14 +247,31 @@ class EndpointResolver(_RouterServer):
                 (self.shards > 1 and now - known[1] >= self.refresh_s):
             self.current.pop(shard, None)
             try:
-                call = self.handle.endpoint.remote(shard) if self.shards > 1 else \
-                    self.handle.endpoint.remote()
-                found = msgspec.convert(call.result(timeout_s=self.timeout_s), EndpointAnswer)
+                found = msgspec.convert(self._ask(shard), EndpointAnswer)
             except Exception as e:  # noqa: BLE001 - the service is down or restarting
                 logger.warning("draft service endpoint unavailable: %s: %s", type(e).__name__, e)
                 return EndpointAnswer(error=f"{type(e).__name__}: {e}")
             self.current[shard] = (found, now)
         return self.current[shard][0]
+
+    def _call(self, shard: int):
+        return self.handle.endpoint.remote(shard) if self.shards > 1 else \
+            self.handle.endpoint.remote()
+
+    def _ask(self, shard: int):
+        """The handle's answer, asked on `self.loop` when there is one; raises TimeoutError."""
+        if self.loop is None:
+            return self._call(shard).result(timeout_s=self.timeout_s)
+
+        async def ask():
+            return await self._call(shard)
+
+        future = asyncio.run_coroutine_threadsafe(ask(), self.loop)
+        try:
+            return future.result(self.timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise
 
     def answer(self, payload: bytes) -> tuple[bytes, None]:
         try:

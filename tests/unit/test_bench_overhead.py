@@ -91,7 +91,8 @@ def test_direct_ingress_arms_reach_the_router_on_its_port_or_through_haproxy(tmp
 
 def test_serve_env_names_ray_serves_own_settings():
     """`moonserve serve`'s SERVE_ENV changes what Ray Serve reads (a renamed variable would be
-    silently ignored), and the `pipeline_serve_defaults` arm puts back Ray's defaults."""
+    silently ignored), the `pipeline_serve_defaults` arm puts back Ray's defaults, and
+    `pipeline_two_loops` only its threads."""
     import json
     import os
     import subprocess
@@ -100,7 +101,9 @@ def test_serve_env_names_ray_serves_own_settings():
     from moonserve.pipeline.app.server import SERVE_ENV
 
     read = ("import json; from ray.serve._private import constants as c; print(json.dumps("
-            "[c.CONTROL_LOOP_INTERVAL_S, c.RAY_SERVE_METRICS_EXPORT_INTERVAL_MS]))")
+            "[c.CONTROL_LOOP_INTERVAL_S, c.RAY_SERVE_METRICS_EXPORT_INTERVAL_MS, "
+            "c.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD, c.RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP]"
+            "))")
     clean = {k: v for k, v in os.environ.items() if k not in SERVE_ENV}
 
     def constants(env: dict) -> list:
@@ -111,8 +114,10 @@ def test_serve_env_names_ray_serves_own_settings():
     defaults = dict(overhead.PIPELINE_ARMS["pipeline_serve_defaults"].env)
     assert set(defaults) == set(SERVE_ENV)
     ray_defaults = constants({})
-    assert ray_defaults == [0.1, 100] == constants(defaults)
-    assert constants(SERVE_ENV) == [0.5, 1000]
+    assert ray_defaults == [0.1, 100, True, True] == constants(defaults)
+    assert constants(SERVE_ENV) == [0.5, 1000, False, False]
+    two_loops = dict(overhead.PIPELINE_ARMS["pipeline_two_loops"].env)
+    assert constants(SERVE_ENV | two_loops) == [0.5, 1000, True, True]
 
 
 def test_idle_cpu_is_taken_off_per_token_figures():

@@ -9,6 +9,8 @@ tests/server/test_speculative_server.py and tests/server/test_faults.py.
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 
 import msgspec
@@ -295,6 +297,69 @@ def test_a_replaced_service_is_found_again_through_the_resolver(servers, clients
         time.sleep(0.02)
     assert reply.drafts == [[10, 11, 12]]  # a new session, from position 0
     assert resolver.handle.calls == 2  # asked Serve again only because the old address was stale
+
+
+class LoopEndpoints(Endpoints):
+    """The handle as Serve makes it with `RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0`: a call routes
+    on the calling thread's running loop (none: RuntimeError, as `CurrentLoopRouter` raises), and
+    its response is awaited there."""
+
+    def __init__(self, server: StepServer):
+        super().__init__(server)
+        self.threads: set[str] = set()
+
+    def remote(self):
+        asyncio.get_running_loop()  # RuntimeError off the loop
+        self.threads.add(threading.current_thread().name)
+        self.calls += 1
+        return self._answer()
+
+    async def _answer(self):
+        return self.server.endpoint()
+
+
+def test_a_resolver_made_on_a_loop_calls_the_handle_on_that_loop(servers, clients):
+    """In the replica the resolver is made on the replica's loop; its own thread only waits."""
+    (step_server,) = servers(StepServer(CoreHandler(), host="127.0.0.1"))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="replica-loop", daemon=True)
+    thread.start()
+    try:
+        async def make():
+            return EndpointResolver(LoopEndpoints(step_server), timeout_s=1.0)
+
+        resolver = asyncio.run_coroutine_threadsafe(make(), loop).result(5)
+        servers(resolver)
+        client, _ = clients(resolver.path, 2.0)
+        deadline = time.monotonic() + 5
+        while not client.connected:
+            client.call(message([]))
+            assert time.monotonic() < deadline, "client never connected"
+            time.sleep(0.01)
+        assert client.call(message([["a", 0, COPY]])).drafts == [[10, 11, 12]]
+        assert resolver.handle.threads == {"replica-loop"}
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+
+
+# The call was dropped before the loop ever ran it.
+@pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")
+def test_a_resolver_whose_loop_is_busy_answers_an_error_after_its_timeout(servers):
+    """A loop that does not run the call (blocked: the replica's constructor is starting the
+    engine) costs the query `timeout_s`, then an error answer; the proposer asks again later."""
+    (step_server,) = servers(StepServer(CoreHandler(), host="127.0.0.1"))
+    loop = asyncio.new_event_loop()
+    resolver = EndpointResolver(LoopEndpoints(step_server), timeout_s=0.2)
+    resolver.loop = loop  # never run: as busy as a loop can be
+    started = time.monotonic()
+    answer = resolver.resolve(None)
+    assert 0.2 <= time.monotonic() - started < 1.0
+    assert answer.error.startswith("TimeoutError") and answer.endpoint is None
+    assert resolver.handle.calls == 0
+    resolver.close()
+    loop.close()
 
 
 def test_no_service_means_no_drafts_and_no_waiting(servers, clients, monkeypatch):
