@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moonserve.pipeline.api.admission import SharedLanes
 from moonserve.pipeline.api.auth import ApiKeys, client_id
+from moonserve.pipeline.api.background import in_background
 from moonserve.pipeline.api.body import parse_body, read_body
 from moonserve.pipeline.api.errors import APIError, bad_request
 from moonserve.pipeline.api.rate_limits import rate_limited
@@ -66,7 +67,6 @@ INLINE_TOKENIZE_CHARS = 16_384
 HEALTH_TIMEOUT_S = 5.0
 # How long a request's deltas may trail its finished LanguageModel call on the output channel.
 CHANNEL_GRACE_S = 10.0
-WATCHES: set[asyncio.Task] = set()
 
 
 class Router:
@@ -166,8 +166,8 @@ class Router:
         if self.rate_limiter is None:
             return None
         client = self.client(request)
-        return lambda num_tokens: self.rate_limiter.charge.remote(
-            client, num_prompt_tokens + num_tokens)
+        return lambda num_tokens: in_background(self.rate_limiter.charge.remote(
+            client, num_prompt_tokens + num_tokens), "rate limit charge")
 
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
@@ -463,9 +463,7 @@ def watch_call(call, outputs: RequestOutputs) -> None:
                            "outputs did not arrive")
         asyncio.get_running_loop().call_later(CHANNEL_GRACE_S, outputs.fail, lost)
 
-    task = asyncio.ensure_future(watch())
-    WATCHES.add(task)  # the loop holds tasks weakly; held here until the call ends
-    task.add_done_callback(WATCHES.discard)
+    in_background(watch())
 
 
 @dataclass

@@ -33,6 +33,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from moonserve.pipeline.api.background import in_background
 from moonserve.pipeline.api.errors import APIError
 from moonserve.pipeline.api.lanes import LaneObserver, Lanes, Slot
 from moonserve.pipeline.config import LanesConfig
@@ -185,7 +186,7 @@ class SharedLanes:
             refusal = await call
         except asyncio.CancelledError:  # the client went away while queued
             call.cancel()
-            self.admission.release.remote(self.holder, [ticket])  # in case it was granted
+            in_background(self.send_release([ticket]))  # in case it was granted
             raise
         except Exception as exc:  # noqa: BLE001 - admission down: this replica's lanes instead
             self.unreachable(exc)
@@ -207,8 +208,11 @@ class SharedLanes:
 
     def send_releases(self) -> None:
         tickets, self.releasing = self.releasing, []
+        in_background(self.send_release(tickets))
+
+    async def send_release(self, tickets: list[str]) -> None:
         try:
-            self.admission.release.remote(self.holder, tickets)
+            await self.admission.release.remote(self.holder, tickets)
         except Exception as exc:  # noqa: BLE001 - the book frees them when they go unlisted
             self.unreachable(exc)
 

@@ -21,24 +21,21 @@ from moonserve.pipeline.config import EMBEDDED_MODEL, AppConfig, load_serve_conf
 # What ray.shutdown left of the local cluster gets this long after SIGTERM, then SIGKILL.
 STOP_GRACE_S = 10.0
 
-# Ray Serve's settings for the local cluster `moonserve serve` starts (a variable already in the
+# Ray Serve's timers for the local cluster `moonserve serve` starts (a variable already in the
 # environment wins; a joined cluster has what its `ray start` had). With Serve's defaults they
 # take CPU from the engine on a small machine (`moonserve bench overhead`: the
-# `pipeline_serve_defaults` arm has all of Ray's defaults, `pipeline_two_loops` its threads):
+# `pipeline_serve_defaults` arm has Ray's defaults):
 # - the controller's loop every 0.5 s instead of 0.1 s (its reaction to a dead replica or a new
 #   deployment; health checks stay every 10 s);
 # - replicas and handles export Serve's request metrics every 1 s instead of 0.1 s (Prometheus
-#   scrapes every few seconds);
-# - each replica's code, and Serve's router for the handles it calls, on the replica's own event
-#   loop instead of a thread and a loop each (part of Serve's throughput-optimized mode): a token
-#   crosses no thread in the Router or the LanguageModel replica. Sync methods still run in
-#   Serve's thread pool; a handle must then be called on that loop (the draft resolver does:
-#   `moonserve.pipeline.speculative.endpoint`).
+#   scrapes every few seconds).
+# Serve's threads stay as they are: with each replica's code and its handles' router on the
+# replica's own loop (`pipeline_one_loop`), one stream's TTFT and inter-token latency measured
+# worse in every round, for no clear CPU saving at 16 streams (README "Benchmarks"). The app
+# works either way (the draft resolver calls its handle on the replica's loop).
 SERVE_ENV = {
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
     "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
-    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
-    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
 }
 
 

@@ -64,8 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=DEFAULT_ARMS,
                         help="arms to run: vLLM's server; the pipeline with the output channel, "
                              "with a Serve stream per request (router.outputs), with Ray Serve's "
-                             "defaults instead of moonserve's SERVE_ENV, with Ray Serve's "
-                             "threads (replica code and handle routing off the replica's loop), "
+                             "defaults instead of moonserve's SERVE_ENV, with replica code and "
+                             "handle routing on the replica's own loop, "
                              "with Ray Serve's throughput-optimized settings, with Serve's "
                              "direct ingress, and with Serve's HAProxy in front of direct "
                              "ingress (router.ingress: haproxy)")
@@ -237,6 +237,11 @@ class PipelineArm:
     env: tuple[tuple[str, str], ...] = ()
     ingress: str = "proxy"
 
+    @property
+    def router_ingress(self) -> str:
+        """The config's `router.ingress`: `replica` is Serve's proxy mode with direct ingress on."""
+        return "haproxy" if self.ingress == "haproxy" else "proxy"
+
 
 PIPELINE_ARMS = {
     "pipeline": PipelineArm("channel"),
@@ -244,14 +249,12 @@ PIPELINE_ARMS = {
     # Ray Serve's own defaults in place of `moonserve serve`'s SERVE_ENV.
     "pipeline_serve_defaults": PipelineArm("channel", (
         ("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.1"),
-        ("RAY_SERVE_METRICS_EXPORT_INTERVAL_MS", "100"),
-        ("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "1"),
-        ("RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP", "1"))),
-    # SERVE_ENV's timers, with Ray Serve's threads: each replica's code on a thread of its own,
-    # and Serve's router for its handles on another.
-    "pipeline_two_loops": PipelineArm("channel", (
-        ("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "1"),
-        ("RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP", "1"))),
+        ("RAY_SERVE_METRICS_EXPORT_INTERVAL_MS", "100"))),
+    # Each replica's code, and Serve's router for the handles it calls, on the replica's own
+    # event loop instead of a thread and a loop each (part of Serve's throughput-optimized mode).
+    "pipeline_one_loop": PipelineArm("channel", (
+        ("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "0"),
+        ("RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP", "0"))),
     # Ray Serve's bundle: user code on the replica's own loop, gRPC between deployments, no
     # per-request log lines on stderr, GC frozen after start.
     "pipeline_serve_optimized": PipelineArm("channel", (("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1"),)),
@@ -268,7 +271,7 @@ DEFAULT_ARMS = ["vllm", "pipeline", "pipeline_haproxy"]
 def pipeline_server(arm: str, args, logs: Path) -> ServerProcess:
     spec = PIPELINE_ARMS[arm]
     config_file = pipeline_config(args.config, args.draft, spec.transport, logs / f"{arm}.yaml",
-                                  "haproxy" if spec.ingress == "haproxy" else "proxy")
+                                  spec.router_ingress)
     env = dict(spec.env)
     port = args.port + 1
     if spec.ingress != "proxy":

@@ -44,12 +44,11 @@ def test_pipeline_arms_differ_only_in_transport_ingress_and_drafts(tmp_path: Pat
     base = yaml.safe_load(Path(DEFAULT_CONFIG).read_text())
     for arm, spec in overhead.PIPELINE_ARMS.items():
         transport = spec.transport
-        ingress = "haproxy" if spec.ingress == "haproxy" else "proxy"
         out = overhead.pipeline_config(str(DEFAULT_CONFIG), "off", transport, tmp_path / arm,
-                                       ingress)
+                                       spec.router_ingress)
         config = load_app_config(out)
         assert config.router.outputs.transport == transport and config.draft.mode == "off"
-        assert config.router.ingress == ingress
+        assert config.router.ingress == spec.router_ingress
         args = yaml.safe_load(out.read_text())["applications"][0]["args"]
         base_args = base["applications"][0]["args"]
         assert args["language_model"] == base_args["language_model"]
@@ -92,7 +91,7 @@ def test_direct_ingress_arms_reach_the_router_on_its_port_or_through_haproxy(tmp
 def test_serve_env_names_ray_serves_own_settings():
     """`moonserve serve`'s SERVE_ENV changes what Ray Serve reads (a renamed variable would be
     silently ignored), the `pipeline_serve_defaults` arm puts back Ray's defaults, and
-    `pipeline_two_loops` only its threads."""
+    `pipeline_one_loop` changes only Serve's threads."""
     import json
     import os
     import subprocess
@@ -115,9 +114,9 @@ def test_serve_env_names_ray_serves_own_settings():
     assert set(defaults) == set(SERVE_ENV)
     ray_defaults = constants({})
     assert ray_defaults == [0.1, 100, True, True] == constants(defaults)
-    assert constants(SERVE_ENV) == [0.5, 1000, False, False]
-    two_loops = dict(overhead.PIPELINE_ARMS["pipeline_two_loops"].env)
-    assert constants(SERVE_ENV | two_loops) == [0.5, 1000, True, True]
+    assert constants(SERVE_ENV) == [0.5, 1000, True, True]
+    one_loop = dict(overhead.PIPELINE_ARMS["pipeline_one_loop"].env)
+    assert constants(SERVE_ENV | one_loop) == [0.5, 1000, False, False]
 
 
 def test_idle_cpu_is_taken_off_per_token_figures():
