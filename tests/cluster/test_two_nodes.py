@@ -200,14 +200,19 @@ async def test_prometheus_scrapes_every_node(cluster, app, prometheus):
     async with httpx.AsyncClient(timeout=120) as http:
         outcomes = await asyncio.gather(*(chat(http, app, f"Say {k}.", 8) for k in range(4)))
     assert [o.kind for o in outcomes] == ["completed"] * 4, outcomes
-    deadline = time.monotonic() + 60
+    # One CI run saw every target up but no vLLM series from either node after 60 s; the cause
+    # was not found, and the test passed on the next runs. The wait is 120 s, and a failure
+    # names the nodes that export any vLLM series at all.
+    deadline = time.monotonic() + 120
     while True:
         up = {int(t["labels"]["instance"].rsplit(":", 1)[1]) for t in prometheus.targets()
               if t["health"] == "up"}
         engines = set(per_instance(prometheus, "ray_vllm_num_requests_running"))
         if lm_instances(cluster) <= up and lm_instances(cluster) <= engines:
             break
-        assert time.monotonic() < deadline, {"up": up, "engines": engines}
+        assert time.monotonic() < deadline, {
+            "up": up, "engines": engines,
+            "any_vllm_series": set(per_instance(prometheus, '{__name__=~"ray_vllm_.*"}'))}
         await asyncio.sleep(2)
 
 
