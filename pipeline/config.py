@@ -207,7 +207,7 @@ class PlacementConfig(StrictModel):
 
 
 class ToolsConfig(StrictModel):
-    """Tool calling (README "Tools and structured outputs")."""
+    """Tool calling (docs/tools.md)."""
 
     # vLLM's tool parser for the model's call format (vllm/tool_parsers): `hermes` for the
     # embedded model's template, `kimi_k3` for Kimi K3.1. None: requests with tools get a 400.

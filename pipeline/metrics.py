@@ -2,7 +2,7 @@
 
 Every metric is declared once in `METRICS`; Prometheus shows it as `ray_<name>` (counters with a
 `_total` suffix), with Serve's `deployment`, `replica` and `application` tags added by
-`ray.serve.metrics`. README "Metrics" lists the same names; `tests/server/test_metrics.py` checks that the
+`ray.serve.metrics`. docs/metrics.md lists the same names; `tests/server/test_metrics.py` checks that the
 running app exports them.
 
 Example (inside a replica):

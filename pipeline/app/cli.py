@@ -195,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--address", default=None,
                        help="connect to this Ray cluster instead of starting a local one (a "
                             "local one gets Serve's HAProxy mode for router.ingress: haproxy and "
-                            "slower Serve timers, README \"Configuration\"; a cluster you "
+                            "slower Serve timers, docs/configuration.md; a cluster you "
                             "start needs them on each `ray start`)")
     serve.add_argument("--host", default=None, help="HTTP host (default: the config's, 127.0.0.1)")
     serve.add_argument("--port", type=int, default=None, help="HTTP port (default: the config's, 8000)")

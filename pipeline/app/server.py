@@ -31,7 +31,7 @@ STOP_GRACE_S = 10.0
 #   scrapes every few seconds).
 # Serve's threads stay as they are: with each replica's code and its handles' router on the
 # replica's own loop (`pipeline_one_loop`), one stream's TTFT and inter-token latency measured
-# worse in every round, for no clear CPU saving at 16 streams (README "Benchmarks"). The app
+# worse in every round, for no clear CPU saving at 16 streams (docs/benchmarks.md). The app
 # works either way (the draft resolver calls its handle on the replica's loop).
 SERVE_ENV = {
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",

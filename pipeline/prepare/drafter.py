@@ -42,8 +42,8 @@ def prepare_drafter(lm_path: Path | str | None = None, home: Path | None = None)
     """The embedded DSpark drafter, built from the embedded target's embedding, LM head and a few
     of its layers; idempotent.
 
-    Not a trained drafter: its block positions after the first are weak (README "Speculative
-    decoding"); a real DSpark checkpoint goes in `draft.model`.
+    Not a trained drafter: its block positions after the first are weak (docs/speculative.md);
+    a real DSpark checkpoint goes in `draft.model`.
     """
     from moonserve.pipeline.prepare.language_model import embedded_lm_dir
 

@@ -1,4 +1,4 @@
-"""Speculative decoding, the DraftService side (README "Speculative decoding").
+"""Speculative decoding, the DraftService side (docs/speculative.md).
 
 - `endpoint`: the DraftService's step server and the LM replica's endpoint resolver.
 - `wire`: the step message schemas (msgspec structs).

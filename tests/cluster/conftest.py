@@ -1,4 +1,4 @@
-"""A two-node Ray cluster on this machine, started by the tests the way the README starts one.
+"""A two-node Ray cluster on this machine, started by the tests the way docs/clusters.md starts one.
 
 `ray start --head` and `ray start --address` run with `--block`, so each node's processes (GCS,
 raylet, dashboard, workers, vLLM engine cores) are the descendants of one process the test holds:

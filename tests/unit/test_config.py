@@ -378,23 +378,25 @@ def test_draft_modes_become_vllm_speculative_configs():
     assert (local.mode, local.drafter) == ("service", "ngram")
 
 
-def readme_yaml_lines() -> list[str]:
-    """Each line of the README's ```yaml blocks: one `key: {...}` of the app's args each (the
-    blocks list alternatives, so a block is not one document)."""
+def doc_yaml_lines() -> list[str]:
+    """Each line of the ```yaml blocks of README.md and every docs/*.md page: one `key: {...}` of
+    the app's args each (the blocks list alternatives, so a block is not one document)."""
     from tests.conftest import REPO
 
-    lines, inside = [], False
-    for line in (REPO / "README.md").read_text().splitlines():
-        if line.startswith("```"):
-            inside = line == "```yaml"
-        elif inside and line.strip() and not line.lstrip().startswith("#"):
-            lines.append(line)
+    lines = []
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        inside = False
+        for line in page.read_text().splitlines():
+            if line.startswith("```"):
+                inside = line == "```yaml"
+            elif inside and line.strip() and not line.lstrip().startswith("#"):
+                lines.append(line)
     return lines
 
 
-@pytest.mark.parametrize("line", readme_yaml_lines())
-def test_every_yaml_line_in_the_readme_validates(line):
-    """What a user copies from the README into a config's args is accepted as written."""
+@pytest.mark.parametrize("line", doc_yaml_lines())
+def test_every_yaml_line_in_the_docs_validates(line):
+    """What a user copies from the README or docs/ into a config's args is accepted as written."""
     snippet = yaml.safe_load(line)
     args = local_args()
     for key, value in snippet.items():
@@ -402,8 +404,10 @@ def test_every_yaml_line_in_the_readme_validates(line):
     AppConfig.model_validate(args)
 
 
-def test_the_readme_has_yaml_to_check():
-    assert any("mode: off" in line for line in readme_yaml_lines())
+def test_the_docs_have_yaml_to_check():
+    lines = doc_yaml_lines()
+    assert any("mode: off" in line for line in lines)
+    assert any("rate_limits" in line for line in lines)
 
 
 def test_a_bare_yaml_off_is_mode_off():
