@@ -46,11 +46,17 @@ class StrictModel(BaseModel):
 class AutoscalingOptions(StrictModel):
     """Ray Serve autoscaling of one deployment (replaces `num_replicas` when set)."""
 
-    min_replicas: int = Field(1, ge=0)
-    max_replicas: PositiveInt = 1
-    target_ongoing_requests: PositiveFloat = 2.0
-    upscale_delay_s: float = Field(30.0, ge=0)
-    downscale_delay_s: float = Field(600.0, ge=0)
+    min_replicas: int = Field(1, ge=0, description=(
+        "Fewest replicas Serve's autoscaler keeps; the app's capacity checks count at least 1."))
+    max_replicas: PositiveInt = Field(1, description=(
+        "Most replicas Serve's autoscaler starts; the app's checks and lane limits count this "
+        "many Router replicas."))
+    target_ongoing_requests: PositiveFloat = Field(2.0, description=(
+        "Ongoing requests per replica the autoscaler steers toward."))
+    upscale_delay_s: float = Field(30.0, ge=0, description=(
+        "How long the autoscaler must want more replicas before it adds one."))
+    downscale_delay_s: float = Field(600.0, ge=0, description=(
+        "How long the autoscaler must want fewer replicas before it removes one."))
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscalingOptions:
@@ -63,19 +69,30 @@ class AutoscalingOptions(StrictModel):
 class DeploymentOptions(StrictModel):
     """Ray Serve options of one deployment (the subset moonserve relies on)."""
 
-    num_replicas: PositiveInt = 1
-    autoscaling: AutoscalingOptions | None = None
-    max_ongoing_requests: PositiveInt = 64
-    num_cpus: float = Field(0.0, ge=0)
-    # Ray custom resources each replica takes, which pin it to the nodes started with them
-    # (`ray start --resources '{"moonserve_head": 1}'`); the LanguageModel's go in its
-    # placement bundles instead.
-    resources: dict[str, PositiveFloat] = Field(default_factory=dict)
-    health_check_period_s: PositiveFloat = 5.0
-    health_check_timeout_s: PositiveFloat = 30.0
-    # How long a replica being scaled down or replaced may finish its requests. None: the app's
-    # `drain` bound for the Router, LanguageModel and DraftService, Serve's 20 s for the others.
-    graceful_shutdown_timeout_s: PositiveFloat | None = None
+    num_replicas: PositiveInt = Field(1, description=(
+        "A fixed number of replicas (Serve's `num_replicas`); set this or `autoscaling`, not "
+        "both."))
+    autoscaling: AutoscalingOptions | None = Field(None, description=(
+        "Serve autoscaling between `min_replicas` and `max_replicas`, in place of "
+        "`num_replicas`; null: a fixed number of replicas."))
+    max_ongoing_requests: PositiveInt = Field(64, description=(
+        "Requests Serve sends one replica at once; the config check wants the Router's to hold "
+        "its lanes (in flight plus queued) and the LanguageModel's to exceed what they admit."))
+    num_cpus: float = Field(0.0, ge=0, description=(
+        "CPUs Ray reserves for each replica actor (`ray_actor_options.num_cpus`)."))
+    resources: dict[str, PositiveFloat] = Field(default_factory=dict, description=(
+        "Ray custom resources each replica takes, which pin it to the nodes started with them "
+        "(`ray start --resources '{\"moonserve_head\": 1}'`); the LanguageModel's go in its "
+        "placement bundles instead."))
+    health_check_period_s: PositiveFloat = Field(5.0, description=(
+        "Seconds between Serve's health checks of a replica."))
+    health_check_timeout_s: PositiveFloat = Field(30.0, description=(
+        "Seconds a health check may take before Serve counts it failed (Serve replaces a "
+        "replica whose checks fail)."))
+    graceful_shutdown_timeout_s: PositiveFloat | None = Field(None, description=(
+        "How long a replica being scaled down or replaced may finish its requests; null: the "
+        "app's `drain` bound for the Router, LanguageModel and DraftService, Serve's 20 s for "
+        "the others."))
 
     @model_validator(mode="after")
     def _one_way_to_size(self) -> DeploymentOptions:
@@ -110,57 +127,87 @@ class EngineConfig(StrictModel):
     `model: embedded` means the SmolLM2-135M-Instruct checkpoint built by `moonserve prepare`.
     """
 
-    model: str = EMBEDDED_MODEL
-    served_model_name: str | None = None
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    max_model_len: PositiveInt | None = None
-    tensor_parallel_size: PositiveInt = 1
-    # Decode context parallelism: the KV cache of one long request spread over this many TP ranks
-    # (must divide tensor_parallel_size); what lets one 1M-token request fit a node.
-    decode_context_parallel_size: PositiveInt = 1
-    # "fp8" halves the KV cache (production); "auto" keeps the model dtype.
-    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
-    max_num_seqs: PositiveInt = 64
-    max_num_batched_tokens: PositiveInt | None = None
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = False
-    # "priority": lower `priority` first (the router's lanes set it); "fcfs": arrival order.
-    scheduling_policy: Literal["fcfs", "priority"] = "priority"
-    # Chunked prefill: at most this many prompt tokens of one request per engine step when other
-    # requests are present (0: no cap), so a long prefill cannot hold interactive decode back.
-    # Under the LaneScheduler only where it protects someone: prefills that share a step, or a
-    # prefill beside better-priority decodes.
-    long_prefill_token_threshold: int = Field(0, ge=0)
-    # With "priority", true runs pipeline/engine/lane_scheduler.py's LaneScheduler: while a request of
-    # the best priority present waits or prefills, prefill chunks of worse-priority requests sit
-    # the step out (their decodes still run), so a long prompt never shares a step with a chat
-    # prefill. It extends vLLM's synchronous scheduler, so it turns vLLM's async scheduling off
-    # (CPU engines never have it; GPU engines do, so production keeps false).
-    strict_prefill_priority: bool = False
-    # Requests of this priority or worse (the long-context lane's) are background: a background
-    # prefill takes at most `background_prefill_chunk_tokens` per step, alone too (vLLM gives a
-    # lone prefill the whole budget), so the step a new chat request arrives during is short.
-    # None: no background requests. Needs strict_prefill_priority.
-    background_priority: int | None = None
-    background_prefill_chunk_tokens: PositiveInt = 32
-    seed: int = 0
-    kv_cache_memory_bytes: PositiveInt | None = None
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    trust_remote_code: bool = False
-    # Multimodal requests reach vLLM as prompt embeddings (needed with `vision.handover:
-    # prompt_embeds`).
-    enable_prompt_embeds: bool = False
-    # vLLM's `worker_extension_cls`: a class mixed into every engine worker, whose methods
-    # `LanguageModel.collective_rpc` calls (debugging and test probes); None: none.
-    worker_extension_cls: str | None = None
-    # vLLM's `mm_encoder_tp_mode` for an in-engine vision tower: "data" runs it replicated per
-    # rank (K3's ViT heads do not divide TP 8); None: vLLM's default.
-    mm_encoder_tp_mode: Literal["weights", "data"] | None = None
-    # vLLM's `compilation_config.cudagraph_mode` (e.g. FULL_DECODE_ONLY) and `custom_ops`
-    # (e.g. "+fused_rms_norm_gated"); None / empty: vLLM's defaults.
+    model: str = Field(EMBEDDED_MODEL, description=(
+        "The checkpoint vLLM serves and the Router tokenizes with: a path or model id, as is; "
+        "`embedded` is the SmolLM2-135M-Instruct checkpoint `moonserve prepare` builds."))
+    served_model_name: str | None = Field(None, description=(
+        "The name `/v1/models` lists and requests must give as `model` (another name is a 404); "
+        "null: `model`, or `moonserve-embedded` for the embedded model."))
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
+        "vLLM's `dtype` (also the encoder engine's with `vision.handover: encoder_cache`); "
+        "`auto`: the checkpoint's."))
+    max_model_len: PositiveInt | None = Field(None, description=(
+        "vLLM's context length, prompt plus completion, which the Router checks requests "
+        "against; null: the checkpoint's."))
+    tensor_parallel_size: PositiveInt = Field(1, description=(
+        "Tensor-parallel ranks of one LanguageModel replica (one placement bundle each); over 1 "
+        "vLLM runs its Ray executor on GPUs, its multiprocessing workers on CPU."))
+    decode_context_parallel_size: PositiveInt = Field(1, description=(
+        "Decode context parallelism: the KV cache of one long request spread over this many TP "
+        "ranks (must divide tensor_parallel_size); what lets one 1M-token request fit a node."))
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field("auto", description=(
+        "vLLM's KV cache dtype: `fp8` halves the KV cache (production); `auto` keeps the model "
+        "dtype."))
+    max_num_seqs: PositiveInt = Field(64, description=(
+        "vLLM's `max_num_seqs`: the most requests (sequences) the engine runs in one step."))
+    max_num_batched_tokens: PositiveInt | None = Field(None, description=(
+        "vLLM's token budget of one engine step, prefill and decode together; null: vLLM's "
+        "default."))
+    enable_prefix_caching: bool = Field(True, description=(
+        "vLLM's automatic prefix caching: prompts that share a prefix reuse its KV cache."))
+    enforce_eager: bool = Field(False, description=(
+        "vLLM's `enforce_eager`: no compiled graphs (also for the encoder engine); "
+        "`draft.drafter: dspark_context` needs it, its forward hooks skip compiled graphs."))
+    scheduling_policy: Literal["fcfs", "priority"] = Field("priority", description=(
+        "vLLM's scheduling policy: `priority` runs lower `priority` first (the router's lanes "
+        "set it), `fcfs` arrival order; both shipped configs use `priority`."))
+    # Under the LaneScheduler the cap applies only where it protects someone: prefills that share
+    # a step, or a prefill beside better-priority decodes.
+    long_prefill_token_threshold: int = Field(0, ge=0, description=(
+        "Chunked prefill: at most this many prompt tokens of one request per engine step when "
+        "other requests are present (0: no cap), so a long prefill cannot hold interactive "
+        "decode back."))
+    # The LaneScheduler extends vLLM's synchronous scheduler, so it turns vLLM's async scheduling
+    # off (CPU engines never have it; GPU engines do, so production keeps false).
+    strict_prefill_priority: bool = Field(False, description=(
+        "With `priority`, true runs pipeline/engine/lane_scheduler.py's LaneScheduler: while a "
+        "request of the best priority present waits or prefills, worse-priority prefill chunks "
+        "sit the step out (their decodes still run); configs/local.yaml: true, "
+        "configs/mi355x-k3.1-pro.yaml: false."))
+    # vLLM gives a lone prefill the whole step budget; a background one stays small, so the step a
+    # new chat request arrives during is short.
+    background_priority: int | None = Field(None, description=(
+        "Requests of this priority or worse (the long-context lane's) are background: their "
+        "prefill takes at most `background_prefill_chunk_tokens` per step, alone too; null: no "
+        "background requests (needs strict_prefill_priority)."))
+    background_prefill_chunk_tokens: PositiveInt = Field(32, description=(
+        "The most prompt tokens a background request prefills in one engine step."))
+    seed: int = Field(0, description="vLLM's random seed (also the encoder engine's).")
+    kv_cache_memory_bytes: PositiveInt | None = Field(None, description=(
+        "vLLM's `kv_cache_memory_bytes`: the KV cache's size, instead of what "
+        "`gpu_memory_utilization` leaves; null: vLLM sizes it."))
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description=(
+        "vLLM's share of each GPU's memory for the engine (weights, activations, KV cache)."))
+    trust_remote_code: bool = Field(False, description=(
+        "Run code shipped with the checkpoint: in vLLM, the encoder engine and the Router's "
+        "tokenizer (Kimi checkpoints ship their tokenizer as code)."))
+    enable_prompt_embeds: bool = Field(False, description=(
+        "Multimodal requests reach vLLM as prompt embeddings (needed with `vision.handover: "
+        "prompt_embeds`); text requests stay token ids."))
+    worker_extension_cls: str | None = Field(None, description=(
+        "vLLM's `worker_extension_cls`: a class mixed into every engine worker, whose methods "
+        "`LanguageModel.collective_rpc` calls (debugging and test probes); null: none."))
+    mm_encoder_tp_mode: Literal["weights", "data"] | None = Field(None, description=(
+        "vLLM's `mm_encoder_tp_mode` for an in-engine vision tower (also the encoder engine's): "
+        "`data` runs it replicated per rank (K3's ViT heads do not divide TP 8); null: vLLM's "
+        "default."))
     cudagraph_mode: Literal["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY",
-                            "FULL_AND_PIECEWISE"] | None = None
-    custom_ops: tuple[str, ...] = ()
+                            "FULL_AND_PIECEWISE"] | None = Field(None, description=(
+        "vLLM's `compilation_config.cudagraph_mode` (production: FULL_DECODE_ONLY); null: "
+        "vLLM's default."))
+    custom_ops: tuple[str, ...] = Field((), description=(
+        "vLLM's `compilation_config.custom_ops` (production: `+fused_rms_norm_gated`); empty: "
+        "vLLM's default."))
 
     @model_validator(mode="after")
     def _background_needs_lane_scheduler(self) -> EngineConfig:
@@ -202,36 +249,44 @@ class PlacementConfig(StrictModel):
     Production: 8 x `{"GPU": 1}` with STRICT_PACK; embedded: one small CPU bundle.
     """
 
-    bundles: list[dict[str, float]] = Field(default_factory=lambda: [{"CPU": 1.0}], min_length=1)
-    strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
+    bundles: list[dict[str, float]] = Field(
+        default_factory=lambda: [{"CPU": 1.0}], min_length=1, description=(
+            "Ray resources of each bundle; bundle 0 also holds the replica actor, and with "
+            "tensor_parallel_size over 1 there is one bundle per TP rank."))
+    strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        "STRICT_PACK", description=(
+            "Ray's placement strategy for the bundles; `STRICT_PACK` keeps them on one node."))
 
 
 class ToolsConfig(StrictModel):
     """Tool calling (docs/tools.md)."""
 
-    # vLLM's tool parser for the model's call format (vllm/tool_parsers): `hermes` for the
-    # embedded model's template, `kimi_k3` for Kimi K3.1. None: requests with tools get a 400.
-    parser: str | None = None
-    # vLLM's --tool-strict-level: `parameter` holds every call's arguments to its tool's
-    # schema in every tool_choice mode; `function` only the call envelope; `auto` as vLLM's
-    # server does by default (arguments only for `strict: true` tools).
-    strict_level: Literal["auto", "function", "parameter"] = "parameter"
+    parser: str | None = Field(None, description=(
+        "vLLM's tool parser for the model's call format (vllm/tool_parsers): `hermes` for the "
+        "embedded model's template, `kimi_k3` for Kimi K3.1; null: requests with tools get a "
+        "400."))
+    strict_level: Literal["auto", "function", "parameter"] = Field("parameter", description=(
+        "vLLM's --tool-strict-level: `parameter` holds every call's arguments to its tool's "
+        "schema in every tool_choice mode, `function` only the call envelope, `auto` as vLLM's "
+        "server by default (arguments only for `strict: true` tools)."))
 
 
 class ReasoningConfig(StrictModel):
-    # vLLM's reasoning parser (vllm/reasoning), e.g. `kimi_k3`: thinking goes to
-    # `reasoning_content`, and structured outputs apply after it. None: no reasoning split.
-    parser: str | None = None
+    parser: str | None = Field(None, description=(
+        "vLLM's reasoning parser (vllm/reasoning), e.g. `kimi_k3`: thinking goes to "
+        "`reasoning_content`, and structured outputs apply after it; null: no reasoning split."))
 
 
 class ChatConfig(StrictModel):
     """How chat requests are rendered and their outputs parsed, per served model."""
 
-    # A chat template replacing the checkpoint's: a template shipped with moonserve by name
-    # (pipeline/models/templates/<name>.jinja) or a path to a .jinja file. None: the checkpoint's.
-    template: str | None = None
-    tools: ToolsConfig = ToolsConfig()
-    reasoning: ReasoningConfig = ReasoningConfig()
+    template: str | None = Field(None, description=(
+        "A chat template replacing the checkpoint's: one shipped with moonserve by name "
+        "(`pipeline/models/templates/<name>.jinja`) or a path to a .jinja file; null: the "
+        "checkpoint's."))
+    tools: ToolsConfig = Field(ToolsConfig(), description="Tool calling (docs/tools.md).")
+    reasoning: ReasoningConfig = Field(ReasoningConfig(), description=(
+        "Splitting the model's thinking from its answer; the engine gets the parser too."))
 
 
 class RoutingConfig(StrictModel):
@@ -244,12 +299,19 @@ class RoutingConfig(StrictModel):
     replica's; else power of two choices. `power_of_two`: Serve's default router.
     """
 
-    policy: Literal["prefix_affinity", "power_of_two"] = "prefix_affinity"
-    block_tokens: PositiveInt = 64
-    imbalance_threshold: int = Field(4, ge=0)
-    # Prefix keys remembered per caller (each Router replica; ~200 bytes each), least recently
-    # used dropped: 100,000 keys of 64 tokens cover 6.4M tokens of distinct prefixes.
-    max_keys: PositiveInt = 100_000
+    policy: Literal["prefix_affinity", "power_of_two"] = Field("prefix_affinity", description=(
+        "`prefix_affinity`: pipeline/router/prefix_affinity.py's request router; "
+        "`power_of_two`: Serve's default (both shipped configs leave `prefix_affinity`, with "
+        "one LanguageModel replica each)."))
+    block_tokens: PositiveInt = Field(64, description=(
+        "Token ids per prefix key: prompts are matched in whole blocks of this many."))
+    imbalance_threshold: int = Field(4, ge=0, description=(
+        "How many requests longer than the lightest replica's queue the affine replica's may be "
+        "and still get the request."))
+    max_keys: PositiveInt = Field(100_000, description=(
+        "Prefix keys remembered per caller (each Router replica; ~200 bytes each), least "
+        "recently used dropped: 100,000 keys of 64 tokens cover 6.4M tokens of distinct "
+        "prefixes."))
 
     def request_router_config(self) -> dict | None:
         """Serve's `request_router_config` for the LanguageModel deployment (None: Serve's)."""
@@ -263,13 +325,21 @@ class RoutingConfig(StrictModel):
 
 
 class LanguageModelConfig(StrictModel):
-    engine: EngineConfig = EngineConfig()
-    chat: ChatConfig = ChatConfig()
-    placement: PlacementConfig = PlacementConfig()
-    deployment: DeploymentOptions = DeploymentOptions()
-    routing: RoutingConfig = RoutingConfig()
-    # Environment for the replica and its vLLM processes (e.g. VLLM_CPU_OMP_THREADS_BIND).
-    env: dict[str, str] = Field(default_factory=dict)
+    engine: EngineConfig = Field(EngineConfig(), description=(
+        "vLLM engine arguments moonserve passes through, named and typed."))
+    chat: ChatConfig = Field(ChatConfig(), description=(
+        "How chat requests are rendered and their outputs parsed (the Router does both)."))
+    placement: PlacementConfig = Field(PlacementConfig(), description=(
+        "The placement group each LanguageModel replica requests (production: 8 x "
+        "`{GPU: 0.95}` with STRICT_PACK; embedded: one `{CPU: 1}` bundle)."))
+    deployment: DeploymentOptions = Field(DeploymentOptions(), description=(
+        "Serve options of the LanguageModel deployment (its custom resources go in "
+        "`placement.bundles[0]`)."))
+    routing: RoutingConfig = Field(RoutingConfig(), description=(
+        "How callers pick a LanguageModel replica (matters with more than one)."))
+    env: dict[str, str] = Field(default_factory=dict, description=(
+        "Environment for the replica and its vLLM processes (Ray runtime_env; e.g. "
+        "VLLM_CPU_OMP_THREADS_BIND)."))
 
     @model_validator(mode="after")
     def _bundles_cover_tensor_parallel(self) -> LanguageModelConfig:
@@ -296,26 +366,37 @@ class AuthConfig(StrictModel):
     (read where the app is built). Enabled with no key at all is a start-up error.
     """
 
-    enabled: bool = True
-    api_keys: list[SecretStr] = Field(default_factory=list)
-    api_keys_env: str = "MOONSERVE_API_KEYS"
+    enabled: bool = Field(True, description=(
+        "Check API keys on `/v1/*` (a 401 without a valid one); configs/local.yaml turns it off "
+        "(it listens on 127.0.0.1), configs/mi355x-k3.1-pro.yaml keeps it on."))
+    api_keys: list[SecretStr] = Field(default_factory=list, description=(
+        "API keys written in the config; the Router keeps only their digests."))
+    api_keys_env: str = Field("MOONSERVE_API_KEYS", description=(
+        "The environment variable holding more keys, comma-separated, read on the node that "
+        "builds the app."))
 
 
 class LimitsConfig(StrictModel):
     """Per-request limits, enforced by the router before any engine work (400/413 naming them)."""
 
-    max_request_bytes: PositiveInt = 1 << 20
-    max_messages: PositiveInt = 256
-    max_message_chars: PositiveInt = 1 << 18
-    # Largest max_tokens a request may ask for (None: up to the context limit).
-    max_tokens: PositiveInt | None = None
-    # max_tokens when a request leaves it unset (None: up to the context limit, as OpenAI does).
-    default_max_tokens: PositiveInt | None = None
-    # Image parts in one request (each is preprocessed and encoded).
-    max_images: int = Field(8, ge=0)
-    # Choices (`n`) in one request: they share the request's lane slot but each is an engine
-    # sequence, so this bounds what one admitted request can put into the engine.
-    max_choices: PositiveInt = 16
+    max_request_bytes: PositiveInt = Field(1 << 20, description=(
+        "Largest request body, read no further than this (413); images sent as data URLs count "
+        "(base64: 4/3 of the image bytes)."))
+    max_messages: PositiveInt = Field(256, description="Messages in one chat request (400).")
+    max_message_chars: PositiveInt = Field(1 << 18, description=(
+        "Characters of text in one message, or in a completions `prompt` string (400)."))
+    max_tokens: PositiveInt | None = Field(None, description=(
+        "Largest max_tokens (or max_completion_tokens) a request may ask for; null: up to the "
+        "context limit."))
+    default_max_tokens: PositiveInt | None = Field(None, description=(
+        "max_tokens when a request leaves it unset; null: up to the context limit, as OpenAI "
+        "does."))
+    max_images: int = Field(8, ge=0, description=(
+        "Image parts in one request (each is preprocessed and encoded); with `vision.handover: "
+        "encoder_cache` also vLLM's `limit_mm_per_prompt`."))
+    max_choices: PositiveInt = Field(16, description=(
+        "Choices (`n`) in one request: they share the request's lane slot but each is an engine "
+        "sequence, so this bounds what one admitted request can put into the engine."))
 
     @model_validator(mode="after")
     def _default_within_cap(self) -> LimitsConfig:
@@ -335,10 +416,11 @@ class RateLimitsConfig(StrictModel):
     If that call fails, the request goes ahead (a limiter restart must not stop the service).
     """
 
-    # Requests each client may send per second (a second's worth at once); None: no limit.
-    requests_per_s: PositiveFloat | None = None
-    # Prompt plus completion tokens per client per minute; None: no limit.
-    tokens_per_min: PositiveInt | None = None
+    requests_per_s: PositiveFloat | None = Field(None, description=(
+        "Requests each client may send per second (a second's worth at once); null: no limit."))
+    tokens_per_min: PositiveInt | None = Field(None, description=(
+        "Prompt plus completion tokens per client per minute, charged when a request ends; "
+        "null: no limit."))
 
     def enabled(self) -> bool:
         return self.requests_per_s is not None or self.tokens_per_min is not None
@@ -348,14 +430,15 @@ class LaneLimits(StrictModel):
     """One lane's admission limits toward the LanguageModel (for the application, or per Router
     replica: `LanesConfig.scope`)."""
 
-    # Requests of this lane generating at once; the rest wait in the lane's queue.
-    max_in_flight: PositiveInt
-    # Requests waiting for a slot; one more is rejected at once (429/503 + Retry-After).
-    max_queue: int = Field(ge=0)
-    # A request still queued after this long is answered with 503 + Retry-After.
-    queue_timeout_s: PositiveFloat = 60.0
-    # vLLM request priority (lower is scheduled first; needs engine.scheduling_policy: priority).
-    priority: int = 0
+    max_in_flight: PositiveInt = Field(description=(
+        "Requests of this lane generating at once; the rest wait in the lane's queue."))
+    max_queue: int = Field(ge=0, description=(
+        "Requests waiting for a slot; one more is rejected at once (429/503 + Retry-After)."))
+    queue_timeout_s: PositiveFloat = Field(60.0, description=(
+        "A request still queued after this long is answered with 503 + Retry-After."))
+    priority: int = Field(0, description=(
+        "vLLM request priority (lower is scheduled first; needs engine.scheduling_policy: "
+        "priority)."))
 
     def refuses(self, in_flight: int, queued: int) -> bool:
         """A request arriving at a lane with these counts is refused at once."""
@@ -377,18 +460,31 @@ class LanesConfig(StrictModel):
     application's. `scope: replica` gives every Router replica the limits for itself.
     """
 
-    enabled: bool = True
-    scope: Literal["application", "replica"] = "application"
-    long_context_threshold_tokens: PositiveInt = 2048
-    hint_header: str = "x-moonserve-lane"
-    # Status of a rejection when a lane's queue is full: 429 (client backs off) or 503.
-    reject_status: Literal[429, 503] = 429
-    retry_after_s: PositiveInt = 1
-    interactive: LaneLimits = LaneLimits(max_in_flight=48, max_queue=128, queue_timeout_s=30.0,
-                                         priority=0)
-    long_context: LaneLimits = LaneLimits(max_in_flight=8, max_queue=32, queue_timeout_s=300.0,
-                                          priority=10)
-    fifo: LaneLimits = LaneLimits(max_in_flight=56, max_queue=160, queue_timeout_s=300.0)
+    enabled: bool = Field(True, description=(
+        "true: the `interactive` and `long_context` lanes (both shipped configs); false: every "
+        "request through the single `fifo` lane in arrival order (the benchmark's baseline)."))
+    scope: Literal["application", "replica"] = Field("application", description=(
+        "`application`: each lane's limits hold for the whole app (several Router replicas "
+        "admit through one LaneAdmission replica); `replica`: each Router replica has them for "
+        "itself (both shipped configs: `application`)."))
+    long_context_threshold_tokens: PositiveInt = Field(2048, description=(
+        "Prompts of at least this many tokens, image tokens included, go to `long_context`."))
+    hint_header: str = Field("x-moonserve-lane", description=(
+        "The request header that may move a short request to `long_context` (asking for "
+        "`interactive` with a long prompt is a 400)."))
+    reject_status: Literal[429, 503] = Field(429, description=(
+        "Status of a rejection when a lane's queue is full: 429 (client backs off) or 503."))
+    retry_after_s: PositiveInt = Field(1, description=(
+        "The Retry-After header, in seconds, of a lane's rejections and queue timeouts."))
+    interactive: LaneLimits = Field(
+        LaneLimits(max_in_flight=48, max_queue=128, queue_timeout_s=30.0, priority=0),
+        description="The lane of prompts under `long_context_threshold_tokens`.")
+    long_context: LaneLimits = Field(
+        LaneLimits(max_in_flight=8, max_queue=32, queue_timeout_s=300.0, priority=10),
+        description="The lane of long prompts and of requests the hint header sends there.")
+    fifo: LaneLimits = Field(
+        LaneLimits(max_in_flight=56, max_queue=160, queue_timeout_s=300.0),
+        description="The one lane of every request when `enabled` is false.")
 
     def active(self) -> dict[str, LaneLimits]:
         """The lanes requests are admitted through, by name."""
@@ -418,20 +514,42 @@ class ImagePreprocessorConfig(StrictModel):
     hosts.
     """
 
-    patch_size: PositiveInt = PREPROCESS_DEFAULTS.patch_size
-    merge_kernel: tuple[PositiveInt, PositiveInt] = PREPROCESS_DEFAULTS.merge_kernel
-    in_patch_limit: PositiveInt = PREPROCESS_DEFAULTS.in_patch_limit
-    patch_limit_on_one_side: PositiveInt = PREPROCESS_DEFAULTS.patch_limit_on_one_side
-    image_mean: tuple[float, float, float] = PREPROCESS_DEFAULTS.image_mean
-    image_std: tuple[float, float, float] = PREPROCESS_DEFAULTS.image_std
-    max_image_bytes: PositiveInt = PREPROCESS_DEFAULTS.max_image_bytes
-    max_image_pixels: PositiveInt = PREPROCESS_DEFAULTS.max_image_pixels
-    background_rgb: tuple[int, int, int] = PREPROCESS_DEFAULTS.background_rgb
-    remote: RemotePolicy = RemotePolicy()
-    # Images decoded together per replica (serve.batch); a batch runs in one worker thread.
-    max_batch_size: PositiveInt = 8
-    batch_wait_timeout_s: float = Field(0.002, ge=0)
-    deployment: DeploymentOptions = DeploymentOptions(max_ongoing_requests=32)
+    patch_size: PositiveInt = Field(PREPROCESS_DEFAULTS.patch_size, description=(
+        "Side of one ViT patch, in pixels (KimiK3VisionConfig.patch_size)."))
+    merge_kernel: tuple[PositiveInt, PositiveInt] = Field(
+        PREPROCESS_DEFAULTS.merge_kernel, description=(
+            "Patches merged into one LM token, (rows, cols), square "
+            "(KimiK3VisionConfig.merge_kernel_size)."))
+    in_patch_limit: PositiveInt = Field(PREPROCESS_DEFAULTS.in_patch_limit, description=(
+        "Most patches one image may have after the resize (media_proc_cfg.in_patch_limit): "
+        "16384 patches = 4096 image tokens, about 3.2 megapixels."))
+    patch_limit_on_one_side: PositiveInt = Field(
+        PREPROCESS_DEFAULTS.patch_limit_on_one_side, description=(
+            "Most patches along either side (media_proc_cfg.patch_limit_on_one_side; 512 = "
+            "7168 px); a multiple of the merge kernel's side."))
+    image_mean: tuple[float, float, float] = Field(PREPROCESS_DEFAULTS.image_mean, description=(
+        "Per-channel RGB mean subtracted after scaling to [0, 1] (media_proc_cfg.image_mean)."))
+    image_std: tuple[float, float, float] = Field(PREPROCESS_DEFAULTS.image_std, description=(
+        "Per-channel RGB standard deviation the pixels are divided by after the mean "
+        "(media_proc_cfg.image_std; each > 0)."))
+    max_image_bytes: PositiveInt = Field(PREPROCESS_DEFAULTS.max_image_bytes, description=(
+        "Largest encoded image accepted, in bytes (checked before any parsing, and while a "
+        "remote image downloads)."))
+    max_image_pixels: PositiveInt = Field(PREPROCESS_DEFAULTS.max_image_pixels, description=(
+        "Largest decoded image accepted, width * height from the header (checked before "
+        "decoding)."))
+    background_rgb: tuple[int, int, int] = Field(PREPROCESS_DEFAULTS.background_rgb, description=(
+        "What transparent pixels are composited onto (vLLM's default rgba_background_color)."))
+    remote: RemotePolicy = Field(RemotePolicy(), description=(
+        "Which `http(s)` image URLs may be fetched (pipeline/vision/remote_policy.py); off "
+        "unless `allowed_hosts` names hosts."))
+    max_batch_size: PositiveInt = Field(8, description=(
+        "Images decoded together per replica (serve.batch); a batch runs in one worker "
+        "thread."))
+    batch_wait_timeout_s: float = Field(0.002, ge=0, description=(
+        "How long a batch waits for more images before it runs (serve.batch)."))
+    deployment: DeploymentOptions = Field(DeploymentOptions(max_ongoing_requests=32),
+                                          description="Serve options of the ImagePreprocessor.")
 
     @model_validator(mode="after")
     def _preprocessing_is_valid(self) -> ImagePreprocessorConfig:
@@ -450,25 +568,37 @@ class VisionEncoderConfig(StrictModel):
     to the embedded LM's hidden size; its weights are random, so the embedded model cannot see).
     """
 
-    model: str = EMBEDDED_MODEL
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    attention_backend: Literal["auto", "sdpa", "triton", "naive"] = "auto"
-    # Images packed into one forward pass (serve.batch across concurrent requests).
-    max_batch_size: PositiveInt = 8
-    batch_wait_timeout_s: float = Field(0.005, ge=0)
-    # Encoder outputs kept per replica, keyed by the SHA-256 of the image bytes (LRU by bytes).
-    cache_bytes: int = Field(256 * 1024 * 1024, ge=0)
-    num_gpus: float = Field(0.0, ge=0)
-    # handover encoder_cache: the node-local store the encoder engine writes and the LanguageModel's
-    # engine reads (pipeline/engine/ec_connector.py), and the bytes it may hold (least recently
-    # used entries go first; None: no bound).
-    store: str = "/dev/shm/moonserve-ec"
-    store_max_bytes: PositiveInt | None = 4 * 1024**3
-    # handover encoder_cache: the encoder engine's vLLM `gpu_memory_utilization` (on CPU, the
-    # fraction of RAM it must find free at start); it holds the tower's weights and activations,
-    # no KV cache.
-    gpu_memory_utilization: float = Field(0.2, gt=0, le=1)
-    deployment: DeploymentOptions = DeploymentOptions(max_ongoing_requests=32)
+    model: str = Field(EMBEDDED_MODEL, description=(
+        "handover prompt_embeds: the MoonViT checkpoint; `embedded`: the seeded random one "
+        "`moonserve prepare` builds (encoder_cache runs the LM checkpoint's own tower)."))
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description=(
+        "handover prompt_embeds: the dtype MoonViT runs in (encoder_cache: the LM engine's)."))
+    attention_backend: Literal["auto", "sdpa", "triton", "naive"] = Field("auto", description=(
+        "handover prompt_embeds: MoonViT's varlen attention kernel; `auto` picks one (neither "
+        "shipped config sets it)."))
+    max_batch_size: PositiveInt = Field(8, description=(
+        "Images packed into one forward pass (serve.batch across concurrent requests); with "
+        "encoder_cache the encoder engine's max_num_seqs."))
+    batch_wait_timeout_s: float = Field(0.005, ge=0, description=(
+        "handover prompt_embeds: how long a batch waits for more images before it runs."))
+    cache_bytes: int = Field(256 * 1024 * 1024, ge=0, description=(
+        "handover prompt_embeds: encoder outputs kept per replica, keyed by the SHA-256 of the "
+        "image bytes (LRU by bytes)."))
+    num_gpus: float = Field(0.0, ge=0, description=(
+        "GPUs Ray reserves for each replica (a fraction shares one; production: 0.05); 0: "
+        "none."))
+    store: str = Field("/dev/shm/moonserve-ec", description=(
+        "handover encoder_cache: the node-local store the encoder engine writes and the "
+        "LanguageModel's engine reads (pipeline/engine/ec_connector.py)."))
+    store_max_bytes: PositiveInt | None = Field(4 * 1024**3, description=(
+        "handover encoder_cache: the bytes the store may hold, least recently used entries "
+        "going first; null: no bound."))
+    # The encoder engine holds the tower's weights and activations, no KV cache.
+    gpu_memory_utilization: float = Field(0.2, gt=0, le=1, description=(
+        "handover encoder_cache: the encoder engine's vLLM `gpu_memory_utilization` (on CPU, the "
+        "fraction of RAM it must find free at start)."))
+    deployment: DeploymentOptions = Field(DeploymentOptions(max_ongoing_requests=32),
+                                          description="Serve options of the VisionEncoder.")
 
 
 class VisionConfig(StrictModel):
@@ -493,10 +623,17 @@ class VisionConfig(StrictModel):
     and the LM hands vLLM the prompt unexpanded.
     """
 
-    handover: Literal["prompt_embeds", "encoder_cache"] = "prompt_embeds"
-    image_placeholder: str = "<empty_output>"
-    preprocessor: ImagePreprocessorConfig = ImagePreprocessorConfig()
-    encoder: VisionEncoderConfig = VisionEncoderConfig()
+    handover: Literal["prompt_embeds", "encoder_cache"] = Field("prompt_embeds", description=(
+        "How the encoder's outputs reach the language model: `prompt_embeds` (text-only LMs; "
+        "configs/local.yaml) or `encoder_cache` (LMs vLLM serves as multimodal; "
+        "configs/mi355x-k3.1-pro.yaml)."))
+    image_placeholder: str = Field("<empty_output>", description=(
+        "The token the Router expands to one position per image token (embedded SmolLM2: "
+        "`<empty_output>`; Kimi K3: `<|kimi_image_placeholder|>`)."))
+    preprocessor: ImagePreprocessorConfig = Field(ImagePreprocessorConfig(), description=(
+        "The ImagePreprocessor deployment: fetch, decode, validate, resize, patchify."))
+    encoder: VisionEncoderConfig = Field(VisionEncoderConfig(), description=(
+        "The VisionEncoder deployment: image patches to the LM's embeddings."))
 
 
 class DraftConfig(StrictModel):
@@ -515,35 +652,51 @@ class DraftConfig(StrictModel):
     - `off`: no speculation.
     """
 
-    mode: Literal["service", "inline", "off"] = "off"
-    drafter: Literal["ngram", "dspark", "dspark_context"] = "ngram"
-    num_speculative_tokens: PositiveInt = 4
-    # Prompt lookup n-gram sizes (vLLM's prompt_lookup_min/max), for both ngram drafters.
-    ngram_min: PositiveInt = 2
-    ngram_max: PositiveInt = 5
-    # DSpark drafter weights (`embedded`: built by `moonserve prepare` from the embedded target).
-    # With `inline`: vLLM's `speculative_config.model`; without it vLLM would read the draft from
-    # the target checkpoint and, for K3, resolve it as DeepSeek-V4's `DSparkDraftModel`.
-    model: str = EMBEDDED_MODEL
-    # Inline dspark only (vLLM's speculative_config): the draft's attention backend (a vLLM
-    # AttentionBackendEnum name such as TRITON_MLA; None: vLLM picks), how the draft samples and
-    # how vLLM verifies a drafted block.
-    attention_backend: str | None = None
-    draft_sample_method: Literal["greedy", "probabilistic"] = "greedy"
-    rejection_sample_method: Literal["standard", "block"] = "standard"
-    # Budget of one draft call as the engine step sees it; past it the step drafts nothing.
-    deadline_ms: PositiveFloat = 25.0
-    # After answering step t, draft step t+1 assuming all of step t's drafts are accepted.
-    prefetch: bool = True
-    # The LM replica's timeout on asking Serve where the DraftService is; meanwhile no drafts.
-    service_timeout_s: PositiveFloat = 2.0
-    # Bounds on the per-request contexts (pipeline/speculative/sessions.py).
-    sessions: SessionLimits = SessionLimits()
-    # With `service`: per request, draft only the tokens its acceptance so far makes worth it
-    # (num_speculative_tokens is then the most; pipeline/speculative/adaptive.py).
-    adaptive: AdaptivePolicy = AdaptivePolicy()
-    num_gpus: float = Field(0.0, ge=0)
-    deployment: DeploymentOptions = DeploymentOptions(max_ongoing_requests=64)
+    mode: Literal["service", "inline", "off"] = Field("off", description=(
+        "Where draft tokens come from: `service` (the DraftService; configs/local.yaml), "
+        "`inline` (vLLM's in-engine method; configs/mi355x-k3.1-pro.yaml) or `off`."))
+    drafter: Literal["ngram", "dspark", "dspark_context"] = Field("ngram", description=(
+        "What drafts: `ngram` prompt lookup (configs/local.yaml), the `dspark` model "
+        "(configs/mi355x-k3.1-pro.yaml, inline) or `dspark_context` (service only)."))
+    num_speculative_tokens: PositiveInt = Field(4, description=(
+        "Draft tokens per request per engine step (with `adaptive`, the most)."))
+    ngram_min: PositiveInt = Field(2, description=(
+        "Smallest prompt lookup n-gram (vLLM's prompt_lookup_min), for both ngram drafters."))
+    ngram_max: PositiveInt = Field(5, description=(
+        "Largest prompt lookup n-gram (vLLM's prompt_lookup_max), for both ngram drafters."))
+    # Without it vLLM would read the draft from the target checkpoint and, for K3, resolve it as
+    # DeepSeek-V4's `DSparkDraftModel`.
+    model: str = Field(EMBEDDED_MODEL, description=(
+        "DSpark drafter weights (`embedded`: built by `moonserve prepare` from the embedded "
+        "target); with `inline`, vLLM's `speculative_config.model`."))
+    attention_backend: str | None = Field(None, description=(
+        "Inline dspark only: the draft's attention backend, a vLLM AttentionBackendEnum name "
+        "such as TRITON_MLA; null: vLLM picks."))
+    draft_sample_method: Literal["greedy", "probabilistic"] = Field("greedy", description=(
+        "Inline dspark only: how the draft samples (vLLM's speculative_config)."))
+    rejection_sample_method: Literal["standard", "block"] = Field("standard", description=(
+        "Inline dspark only: how vLLM verifies a drafted block (vLLM's speculative_config)."))
+    deadline_ms: PositiveFloat = Field(25.0, description=(
+        "With `service`: the budget of one draft call as the engine step sees it; past it the "
+        "step drafts nothing."))
+    prefetch: bool = Field(True, description=(
+        "With `service`: after answering step t, draft step t+1 assuming all of step t's drafts "
+        "are accepted."))
+    service_timeout_s: PositiveFloat = Field(2.0, description=(
+        "With `service`: the LM replica's timeout on asking Serve where the DraftService is; "
+        "meanwhile no drafts."))
+    sessions: SessionLimits = Field(SessionLimits(), description=(
+        "With `service`: bounds on the per-request contexts the DraftService holds "
+        "(pipeline/speculative/sessions.py); the least recently used session goes first."))
+    adaptive: AdaptivePolicy = Field(AdaptivePolicy(), description=(
+        "With `service`: per request, draft only the tokens its acceptance so far makes worth it "
+        "(num_speculative_tokens is then the most; pipeline/speculative/adaptive.py)."))
+    num_gpus: float = Field(0.0, ge=0, description=(
+        "With `service`: GPUs Ray reserves for each DraftService replica (its drafter runs on "
+        "CUDA when set); 0: CPU."))
+    deployment: DeploymentOptions = Field(DeploymentOptions(max_ongoing_requests=64), description=(
+        "With `service`: Serve options of the DraftService; requests are sharded over "
+        "`num_replicas` by request id (no autoscaling)."))
 
     @field_validator("mode", mode="before")
     @classmethod
@@ -608,19 +761,31 @@ class OutputsConfig(StrictModel):
     them).
     """
 
-    transport: Literal["channel", "stream"] = "channel"
-    # The address the Router listens on for its channel (None: this node's IP, as Ray knows it).
-    host: str | None = None
+    transport: Literal["channel", "stream"] = Field("channel", description=(
+        "`channel`: one TCP connection per LanguageModel and Router replica pair, a frame per "
+        "engine step (both shipped configs); `stream`: a Serve streaming call per request."))
+    host: str | None = Field(None, description=(
+        "The address the Router listens on for its channel (a random port, guarded by a "
+        "token); null: this node's IP, as Ray knows it."))
 
 
 class RouterConfig(StrictModel):
-    deployment: DeploymentOptions = DeploymentOptions(max_ongoing_requests=256)
-    auth: AuthConfig = AuthConfig()
-    limits: LimitsConfig = LimitsConfig()
-    lanes: LanesConfig = LanesConfig()
-    rate_limits: RateLimitsConfig = RateLimitsConfig()
-    outputs: OutputsConfig = OutputsConfig()
-    # How HTTP clients reach the Router replicas, for every application of the cluster:
+    deployment: DeploymentOptions = Field(DeploymentOptions(max_ongoing_requests=256), description=(
+        "Serve options of the Router; its max_ongoing_requests must hold its lanes (in flight "
+        "plus queued)."))
+    auth: AuthConfig = Field(AuthConfig(), description=(
+        "API keys for `/v1/*` (`Authorization: Bearer <key>`); `/health` stays open."))
+    limits: LimitsConfig = Field(LimitsConfig(), description=(
+        "Per-request limits, enforced by the router before any engine work (400/413 naming "
+        "them)."))
+    lanes: LanesConfig = Field(LanesConfig(), description=(
+        "Admission at the Router: `interactive` and `long_context` lanes, or one FIFO lane "
+        "(docs/lanes.md)."))
+    rate_limits: RateLimitsConfig = Field(RateLimitsConfig(), description=(
+        "Per-client limits for the whole application (429 with Retry-After); with one set, the "
+        "app runs a RateLimiter deployment."))
+    outputs: OutputsConfig = Field(OutputsConfig(), description=(
+        "How generated tokens travel from the LanguageModel to the Router."))
     # - `proxy`: Ray Serve's proxy actor forwards each request, and each SSE event of it as a Ray
     #   streaming item. It listens on `http_options.host` only (the embedded default: 127.0.0.1).
     # - `haproxy`: Serve's HAProxy mode (`RAY_SERVE_ENABLE_HA_PROXY=1`, set by `moonserve serve` on
@@ -629,7 +794,10 @@ class RouterConfig(StrictModel):
     #   ports from 30000 on `http_options.host` too, which HAProxy on other nodes must reach), so
     #   no Ray hop carries tokens to the client. HAProxy's stats and metrics ports (8404, 9101)
     #   listen on every interface.
-    ingress: Literal["proxy", "haproxy"] = "proxy"
+    ingress: Literal["proxy", "haproxy"] = Field("proxy", description=(
+        "How HTTP clients reach the Router replicas, the same for every application of the "
+        "cluster: `proxy` (Serve's proxy actor; configs/local.yaml) or `haproxy` (Serve's "
+        "HAProxy mode, no Ray hop per token; configs/mi355x-k3.1-pro.yaml)."))
 
     @model_validator(mode="after")
     def _replica_holds_its_lanes(self) -> RouterConfig:
@@ -654,20 +822,31 @@ class DrainConfig(StrictModel):
     at most `max_s`.
     """
 
-    # The slowest decode a stream may have and still finish during a drain.
-    min_tokens_per_s: PositiveFloat = 4.0
-    max_s: PositiveFloat = 3600.0
+    min_tokens_per_s: PositiveFloat = Field(4.0, description=(
+        "The slowest decode a stream may have and still finish during a drain."))
+    max_s: PositiveFloat = Field(3600.0, description=(
+        "The longest drain; also the drain when neither `router.limits.max_tokens` nor "
+        "`language_model.engine.max_model_len` is set."))
 
 
 class AppConfig(StrictModel):
     """`args` of the moonserve application in a Ray Serve config file."""
 
-    router: RouterConfig = RouterConfig()
-    language_model: LanguageModelConfig = LanguageModelConfig()
-    # None: text only (image parts are a 400).
-    vision: VisionConfig | None = None
-    draft: DraftConfig = DraftConfig()
-    drain: DrainConfig = DrainConfig()
+    router: RouterConfig = Field(RouterConfig(), description=(
+        "The Router deployment, the HTTP ingress with the OpenAI API: auth, limits, lanes, rate "
+        "limits, token transport and ingress."))
+    language_model: LanguageModelConfig = Field(LanguageModelConfig(), description=(
+        "The LanguageModel deployment: one vLLM engine per replica, its chat format, placement "
+        "and routing."))
+    vision: VisionConfig | None = Field(None, description=(
+        "Images in chat messages: Router -> ImagePreprocessor -> VisionEncoder -> "
+        "LanguageModel; null: text only (image parts are a 400)."))
+    draft: DraftConfig = Field(DraftConfig(), description=(
+        "Speculative decoding: where the draft tokens come from; vLLM verifies them "
+        "losslessly (docs/speculative.md)."))
+    drain: DrainConfig = Field(DrainConfig(), description=(
+        "How long a Router, LanguageModel or DraftService replica that is scaled down or "
+        "replaced may take to finish what it admitted."))
 
     def autoscaled(self) -> list[str]:
         """The dotted names of the `autoscaling` sections set in this app."""

@@ -13,6 +13,7 @@
     moonserve plan [--json]                # capacity of Kimi K3.1 Pro + DSpark on 8x MI355X
     moonserve plan --checkpoint PATH       # ... with the weights measured in a checkpoint
     moonserve check-checkpoint PATH [--json] [--tp 8]  # preflight a checkpoint from its headers
+    moonserve config-reference [--write docs/configuration.md]  # the config fields as Markdown
 """
 
 from __future__ import annotations
@@ -166,6 +167,21 @@ def cmd_check_checkpoint(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_config_reference(args: argparse.Namespace) -> int:
+    from moonserve.pipeline.config_reference import render, write
+
+    if args.write is None:
+        print(render().strip("\n"))
+        return 0
+    try:
+        changed = write(Path(args.write))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"moonserve config-reference: error: {args.write}: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.write}: {'updated' if changed else 'already up to date'}")
+    return 0
+
+
 CHECK_CHECKPOINT_HELP = """\
 Preflight a safetensors checkpoint from its headers alone (no tensor data is read).
 
@@ -244,6 +260,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="tensor-parallel size for the bytes per rank (default 8)")
     check.add_argument("--json", action="store_true", help="JSON report instead of tables")
     check.set_defaults(func=cmd_check_checkpoint)
+
+    reference = sub.add_parser("config-reference", help="the config's fields (key, type, default, "
+                               "description) as Markdown tables, from pipeline/config.py")
+    reference.add_argument("--write", metavar="PAGE", default=None,
+                           help="replace the generated part of PAGE (between its marker lines, "
+                           "e.g. docs/configuration.md) instead of printing")
+    reference.set_defaults(func=cmd_config_reference)
 
     bench = sub.add_parser("bench", help="benchmarks (JSON results)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)

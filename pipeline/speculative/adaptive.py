@@ -48,13 +48,16 @@ class AdaptivePolicy:
     """Per-request speculation depth (see the module docstring). `enabled: false` drafts
     `num_speculative_tokens` for every request, every step."""
 
-    enabled: bool = True
-    # Draft a token only when the chance that the target accepts it is at least this.
-    min_acceptance: float = Field(0.3, gt=0, lt=1)
-    # Weight the acceptance counts keep per verified proposal (lower: forget faster).
-    decay: float = Field(0.8, gt=0, le=1)
-    pause_steps: PositiveInt = 8
-    max_pause_steps: PositiveInt = 256
+    enabled: bool = Field(True, description=(
+        "false: draft `num_speculative_tokens` for every request, every step."))
+    min_acceptance: float = Field(0.3, gt=0, lt=1, description=(
+        "Draft a token only when the chance that the target accepts it is at least this."))
+    decay: float = Field(0.8, gt=0, le=1, description=(
+        "Weight the acceptance counts keep per verified proposal (lower: forget faster)."))
+    pause_steps: PositiveInt = Field(8, description=(
+        "Steps a request drafts nothing after a one-token probe when not even one draft is worth "
+        "it; each probe that does not bring drafting back doubles the pause."))
+    max_pause_steps: PositiveInt = Field(256, description="The longest such pause, in steps.")
 
 
 @dataclass

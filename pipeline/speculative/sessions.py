@@ -43,7 +43,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from pydantic import ConfigDict, PositiveFloat, PositiveInt
+from pydantic import ConfigDict, Field, PositiveFloat, PositiveInt
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from moonserve.pipeline.speculative.adaptive import Acceptance, AdaptivePolicy
@@ -97,9 +97,13 @@ class ContextTooLongError(DraftSessionError):
 class SessionLimits:
     """Bounds on the service's memory; the least recently used session goes first."""
 
-    max_sessions: PositiveInt = 1024
-    max_total_tokens: PositiveInt = 4_000_000
-    idle_timeout_s: PositiveFloat = 300.0
+    max_sessions: PositiveInt = Field(1024, description=(
+        "Request contexts one DraftService replica holds; past it the least recently used goes."))
+    max_total_tokens: PositiveInt = Field(4_000_000, description=(
+        "Tokens of all held contexts together, least recently used dropped past it; a request "
+        "whose context alone is longer gets no drafts from the service."))
+    idle_timeout_s: PositiveFloat = Field(300.0, description=(
+        "A context unused this long is dropped (the replica checks every few seconds)."))
 
 
 @dataclass

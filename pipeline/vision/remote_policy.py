@@ -39,14 +39,19 @@ class RemotePolicy:
     preprocessor's `max_image_bytes`, passed to each fetch.
     """
 
-    allowed_hosts: tuple[str, ...] = ()
-    allowed_networks: tuple[str, ...] = ()
-    connect_timeout_s: PositiveFloat = 5.0
-    # Longest wait for the next chunk of the body.
-    read_timeout_s: PositiveFloat = 10.0
-    # Whole fetch, all redirects included: bounds a server that trickles bytes.
-    total_timeout_s: PositiveFloat = 30.0
-    max_redirects: int = Field(3, ge=0)
+    allowed_hosts: tuple[str, ...] = Field((), description=(
+        "Hosts whose http(s) image URLs may be fetched: exact names or IP literals, or "
+        "`*.example.com` for any subdomain of example.com; empty: remote URLs are off."))
+    allowed_networks: tuple[str, ...] = Field((), description=(
+        "CIDRs (e.g. `10.1.2.0/24`) whose loopback, private, link-local, multicast or reserved "
+        "addresses may be fetched from; any other such address is refused, after redirects too."))
+    connect_timeout_s: PositiveFloat = Field(5.0, description=(
+        "Longest wait to connect to the image's server."))
+    read_timeout_s: PositiveFloat = Field(10.0, description=(
+        "Longest wait for the next chunk of the body."))
+    total_timeout_s: PositiveFloat = Field(30.0, description=(
+        "Whole fetch, all redirects included: bounds a server that trickles bytes."))
+    max_redirects: int = Field(3, ge=0, description="Redirects one fetch may follow.")
 
     @field_validator("allowed_hosts")
     @classmethod
