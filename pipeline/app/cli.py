@@ -30,11 +30,14 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from moonserve.pipeline.prepare.drafter import prepare_drafter
     from moonserve.pipeline.prepare.language_model import prepare_language_model
     from moonserve.pipeline.prepare.vision_encoder import prepare_vision_encoder
+    from moonserve.pipeline.prepare.wheels import BFCL_EVAL, fetch_wheel
 
     lm_path = prepare_language_model(progress=not args.quiet)
     print(lm_path)
     print(prepare_vision_encoder(lm_path))
     print(prepare_drafter(lm_path))
+    # The tool-calling bench's data, so its tests run offline from here on.
+    print(fetch_wheel(BFCL_EVAL, progress=not args.quiet))
     return 0
 
 

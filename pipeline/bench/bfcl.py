@@ -4,7 +4,9 @@ A port of the parts of the Berkeley Function Calling Leaderboard (PyPI `bfcl-eva
 `bfcl_eval`) that an OpenAI function-calling (FC) model goes through, for the Python categories:
 
 - data: `bfcl_eval/data/BFCL_v4_<category>.json` and `possible_answer/...` (JSON lines), read
-  straight from the installed package (its `utils.load_dataset_entry` pulls in provider SDKs);
+  straight from the package's wheel, which is fetched (pinned, SHA-256 checked) into
+  `$MOONSERVE_HOME/wheels/` on first use rather than installed (`prepare.wheels.BFCL_EVAL`: its
+  dependencies pin numpy 1.26 and every provider's SDK; its `utils.load_dataset_entry` imports them);
 - prompt: `OpenAICompletionsHandler` sends `question[0]` as is, with the tools, no system prompt;
   the function docs get the Python hint of `utils._func_doc_language_specific_pre_processing`;
 - tools: `model_handler/utils.convert_to_tool(functions, GORILLA_TO_OPENAPI, OPENAI_COMPLETIONS)`;
@@ -26,11 +28,13 @@ Example:
 from __future__ import annotations
 
 import copy
-import importlib.resources
 import json
 import re
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from moonserve.pipeline.prepare.wheels import BFCL_EVAL, fetch_wheel
 
 CATEGORIES = ("simple_python", "multiple", "parallel", "parallel_multiple", "irrelevance")
 VERSION_PREFIX = "BFCL_v4"
@@ -65,11 +69,16 @@ class Entry:
     possible_answer: list[dict] | None  # ground_truth; None for irrelevance
 
 
-def data_dir() -> Path:
-    return Path(str(importlib.resources.files("bfcl_eval") / "data"))
+def wheel(progress: bool = True) -> Path:
+    """The verified bfcl-eval wheel (downloaded the first time; reused offline after)."""
+    return fetch_wheel(BFCL_EVAL, progress=progress)
 
 
-def load_jsonl(path: Path) -> list[dict]:
+def data_dir() -> zipfile.Path:
+    return zipfile.Path(wheel()) / "bfcl_eval" / "data"
+
+
+def load_jsonl(path: Path | zipfile.Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 

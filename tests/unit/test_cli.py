@@ -38,12 +38,32 @@ def test_help_lists_the_commands():
         assert command in out.stdout
 
 
+def readme_commands_in_ci() -> dict[str, list[str]]:
+    """`.ci/run`'s `# README: <name>` markers -> the command lines that follow each (up to the
+    next comment or blank line)."""
+    sections: dict[str, list[str]] = {}
+    current = None
+    for line in (REPO / ".ci" / "run").read_text().splitlines():
+        if line.startswith("# README: "):
+            current = sections.setdefault(line.removeprefix("# README: "), [])
+        elif not line.strip() or line.startswith("#"):
+            current = None
+        elif current is not None:
+            current.append(line)
+    return sections
+
+
 def test_ci_runs_exactly_the_readme_setup_and_test_commands():
     readme = (REPO / "README.md").read_text().splitlines()
-    ci = (REPO / ".ci" / "run").read_text().splitlines()
-    for marker in ("# README: setup", "# README: test"):
-        command = ci[ci.index(marker) + 1]
-        assert command in readme, f"{command!r} from .ci/run is not in README.md"
+    sections = readme_commands_in_ci()
+    assert sections.get("setup") and sections.get("test"), sections
+    for name, commands in sections.items():
+        for command in commands:
+            assert command in readme, f"{command!r} ({name}) from .ci/run is not a line of README.md"
+    # one install command of standard tooling, with no uninstall or second install after it
+    installs = [c for c in sections["setup"] if "install" in c]
+    assert installs == ["pip install uv", "uv pip install -e '.[cpu,dev]' && moonserve prepare"]
+    assert not any("uninstall" in c or "--no-deps" in c for c in readme)
 
 
 def test_serve_with_a_config_typo_fails_fast_naming_the_key(tmp_path):

