@@ -50,12 +50,13 @@ def test_prepare_reuses_a_verified_checkpoint(checkpoint):
 def test_cli_prepare_prints_the_paths(checkpoint):
     from moonserve.pipeline.prepare.drafter import EMBEDDED_DRAFTER
     from moonserve.pipeline.prepare.vision_encoder import EMBEDDED_ENCODER
+    from moonserve.pipeline.prepare.wheels import BFCL_EVAL
 
     out = subprocess.run([sys.executable, "-m", "moonserve.pipeline.app.cli", "prepare", "--quiet"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     encoder, drafter = EMBEDDED_ENCODER.path(), EMBEDDED_DRAFTER.path()
-    assert out.stdout.split() == [str(checkpoint), str(encoder), str(drafter)]
+    assert out.stdout.split() == [str(checkpoint), str(encoder), str(drafter), str(BFCL_EVAL.path())]
     assert EMBEDDED_ENCODER.verify(encoder) and EMBEDDED_DRAFTER.verify(drafter)
 
 
