@@ -23,7 +23,12 @@ from pathlib import Path
 import numpy as np
 
 from moonserve.pipeline.api.output_wire import ChannelAddress
-from moonserve.pipeline.config import DraftConfig, EngineConfig, LanguageModelConfig
+from moonserve.pipeline.config import (
+    STRUCTURED_OUTPUTS,
+    DraftConfig,
+    EngineConfig,
+    LanguageModelConfig,
+)
 from moonserve.pipeline.api.protocol import (
     GenerateRequest,
     GenerationDelta,
@@ -124,6 +129,7 @@ def engine_args(engine: EngineConfig, model_path: str, draft: DraftConfig | None
                 modality: str | None = None):
     """`images` and `modality` (its model's `ImageFormat.modality`): vision.handover
     encoder_cache."""
+    from vllm.config import StructuredOutputsConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     scheduler = engine.scheduler_cls()
@@ -141,6 +147,7 @@ def engine_args(engine: EngineConfig, model_path: str, draft: DraftConfig | None
         max_num_batched_tokens=engine.max_num_batched_tokens,
         # Structured outputs start after the thinking this parser finds (language_model.chat).
         reasoning_parser=reasoning_parser or "",
+        structured_outputs_config=StructuredOutputsConfig(**STRUCTURED_OUTPUTS),
         enable_prefix_caching=engine.enable_prefix_caching,
         enforce_eager=engine.enforce_eager,
         scheduling_policy=engine.scheduling_policy,
@@ -173,8 +180,8 @@ def token_logprobs(token_ids, logprobs, num_top: int | None) -> list[TokenLogpro
         sampled = candidates[token_id]
         top = sorted((c for c in candidates.values() if c.rank is not None and c.rank <= num_top),
                      key=lambda c: c.rank)
-        out.append(TokenLogprob(sampled.decoded_token or "", sampled.logprob,
-                                tuple((c.decoded_token or "", c.logprob) for c in top)))
+        out.append(TokenLogprob.of(sampled.decoded_token or "", sampled.logprob,
+                                   ((c.decoded_token or "", c.logprob) for c in top)))
     return out
 
 

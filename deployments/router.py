@@ -29,7 +29,7 @@ from moonserve.pipeline.api.admission import SharedLanes
 from moonserve.pipeline.api.auth import ApiKeys, client_id
 from moonserve.pipeline.api.background import in_background
 from moonserve.pipeline.api.body import parse_body, read_body
-from moonserve.pipeline.api.errors import APIError, bad_request
+from moonserve.pipeline.api.errors import APIError, InternalErrors, bad_request
 from moonserve.pipeline.api.rate_limits import rate_limited
 from moonserve.pipeline.api.lanes import Lanes
 from moonserve.pipeline.api.limits import (
@@ -115,6 +115,7 @@ class Router:
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_exception_handler(APIError, api_error_response)
         app.add_exception_handler(StarletteHTTPException, http_error_response)
+        app.add_middleware(InternalErrors)
         return app
 
     async def model_info(self) -> ModelInfo:
@@ -367,7 +368,8 @@ class Router:
             yield sse(exc.body())
         except Exception as exc:  # a bug past the headers still ends the stream as a client reads it
             logger.exception("request %s: the stream failed", encoder.fmt.request_id)
-            yield sse(APIError(500, f"the stream failed ({type(exc).__name__})",
+            yield sse(APIError(500, f"the stream failed ({type(exc).__name__}); request "
+                               f"{encoder.fmt.request_id}",
                                type="internal_error", code="stream_failed").body())
         finally:
             await deltas.aclose()
@@ -381,6 +383,8 @@ class Router:
         try:
             async for delta in source(request, image_embeds):
                 trace.delta(delta.num_tokens)
+                if delta.finish_reason == "error":
+                    raise engine_error(request.request_id, delta.index)
                 yield delta
         except Exception as exc:
             trace.failed = True
@@ -418,6 +422,13 @@ class Router:
                 # Stopping iteration does not cancel a Serve stream; this reaches the replica as
                 # CancelledError, and LanguageModel.generate aborts the engine request.
                 stream.cancel()
+
+
+def engine_error(request_id: str, index: int) -> APIError:
+    """vLLM's `FinishReason.ERROR` (e.g. a grammar that refused the token it had allowed), which
+    vLLM's own server always answers as a 500; never a choice in a 200."""
+    return APIError(500, f"the engine ended choice {index} of request {request_id} with an "
+                    "error; retry the request", type="internal_error", code="generation_failed")
 
 
 def image_fan_in(vision: VisionConfig, preprocessor, encoder, model_path: str,

@@ -121,6 +121,16 @@ class DeploymentOptions(StrictModel):
         }
 
 
+# Every engine's structured outputs (vLLM's `structured_outputs_config`; docs/tools.md).
+# - backend: vLLM's `auto` picks a backend per request when it validates one, but its engine builds
+#   a single backend from the first such request and compiles every later schema with it, so a
+#   schema checked for one backend could be compiled by another. The Router holds schemas to what
+#   xgrammar enforces (pipeline/router/json_schemas.py); xgrammar also compiles tool-call tags.
+# - disable_any_whitespace: with free whitespace between JSON tokens a model can spend max_tokens on
+#   newlines inside a constrained answer (`moonserve bench structured`, docs/benchmarks.md).
+STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace": True}
+
+
 class EngineConfig(StrictModel):
     """vLLM engine arguments moonserve passes through, named and typed.
 

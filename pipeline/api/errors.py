@@ -6,9 +6,17 @@ matching exception class (`BadRequestError` for 400, `NotFoundError` for 404, ..
 
 from __future__ import annotations
 
+import logging
+import uuid
 from dataclasses import dataclass, field
 
+import msgspec
 from pydantic import ValidationError
+
+logger = logging.getLogger("moonserve.router")
+
+# The request id header Serve's proxy (and its HAProxy mode) sets on every request it forwards.
+REQUEST_ID_HEADER = b"x-request-id"
 
 
 @dataclass
@@ -77,3 +85,51 @@ def field_loc(loc: tuple) -> tuple:
             out.append(part)
         previous = part
     return tuple(out)
+
+
+class InternalErrors:
+    """ASGI middleware: an exception that escapes a handler is logged once, with its traceback,
+    and answered as an OpenAI-shaped 500 naming the request id (the `x-request-id` Serve's proxy
+    set, else a new one, sent back as that header). `request.state.request_id` holds the id.
+
+    Example:
+        >>> app.add_middleware(InternalErrors)       # a FastAPI app; doctest: +SKIP
+    """
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers", ())).get(REQUEST_ID_HEADER)
+        request_id = given.decode("latin-1") if given else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        started = False
+
+        async def send_started(message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                if not given:
+                    message = {**message, "headers": [*message.get("headers", ()),
+                                                      (REQUEST_ID_HEADER, request_id.encode())]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_started)
+        except Exception as exc:
+            logger.exception("request %s: unhandled error", request_id)
+            if not started:  # past the headers the connection just ends
+                await send_internal_error(send, request_id, exc)
+
+
+async def send_internal_error(send, request_id: str, exc: Exception) -> None:
+    error = APIError(500, f"internal error ({type(exc).__name__}) in request {request_id}; the "
+                     "server logged it under that id", type="internal_error", code="internal_error")
+    body = msgspec.json.encode(error.body())
+    await send({"type": "http.response.start", "status": 500,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()),
+                            (REQUEST_ID_HEADER, request_id.encode())]})
+    await send({"type": "http.response.body", "body": body})

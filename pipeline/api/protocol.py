@@ -8,6 +8,7 @@ than silently ignored, and ranges follow the OpenAI reference.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -547,13 +548,29 @@ class StoredEncoding:
     output: Any
 
 
+# vLLM's server floors every logprob it returns here (`max(logprob, -9999.0)` in its chat and
+# completion serving): a token a grammar masks has -inf, which no JSON encoder may write.
+MIN_LOGPROB = -9999.0
+
+
+def finite_logprob(value: float) -> float:
+    """`value` floored at `MIN_LOGPROB`; -inf and NaN become `MIN_LOGPROB` (issue 37)."""
+    return max(value, MIN_LOGPROB) if math.isfinite(value) else MIN_LOGPROB
+
+
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     """One generated token with its log-probability and the `top` alternatives (most likely
-    first), as (token text, logprob) pairs."""
+    first), as (token text, logprob) pairs. Logprobs are finite (`TokenLogprob.of`)."""
 
     token: str
     logprob: float
     top: tuple[tuple[str, float], ...] = ()
+
+    @classmethod
+    def of(cls, token: str, logprob: float, top=()) -> TokenLogprob:
+        """From the engine's values, every logprob through `finite_logprob`."""
+        return cls(token, finite_logprob(logprob),
+                   tuple((text, finite_logprob(value)) for text, value in top))
 
 
 class GenerationDelta(msgspec.Struct, array_like=True):

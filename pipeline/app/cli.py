@@ -10,6 +10,7 @@
     moonserve bench tools [--out FILE]     # BFCL tool calling: AST accuracy, schema validity, vs vLLM
     moonserve bench admission [--out FILE]  # latency of application-wide lanes vs a replica's own
     moonserve bench routing [--out FILE]   # two LM replicas: prefix-affinity vs Serve's router
+    moonserve bench structured --suite DIR  # json_schema answers: valid/refused/cut/unenforced
     moonserve plan [--json]                # capacity of Kimi K3.1 Pro + DSpark on 8x MI355X
     moonserve plan --checkpoint PATH       # ... with the weights measured in a checkpoint
     moonserve check-checkpoint PATH [--json] [--tp 8]  # preflight a checkpoint from its headers
@@ -73,7 +74,8 @@ def bench_module(name: str):
 BENCHMARKS = {"overhead": bench_module("overhead"), "lanes": bench_module("lanes"),
               "vision": bench_module("vision"), "reliability": bench_module("reliability"),
               "speculative": bench_module("speculative"), "tools": bench_module("tools"),
-              "admission": bench_module("admission"), "routing": bench_module("routing")}
+              "admission": bench_module("admission"), "routing": bench_module("routing"),
+              "structured": bench_module("structured")}
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

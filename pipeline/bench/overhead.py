@@ -27,6 +27,7 @@ from moonserve.pipeline.app.launch import ServerProcess
 from moonserve.pipeline.bench.client import run_load, summarize
 from moonserve.pipeline.config import (
     DEFAULT_CONFIG,
+    STRUCTURED_OUTPUTS,
     EngineConfig,
     LanguageModelConfig,
     load_app_config,
@@ -78,9 +79,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-bench-prompts", type=int, default=32)
 
 
-def vllm_command(engine: EngineConfig, model_path: str, port: int) -> list[str]:
+def vllm_command(engine: EngineConfig, model_path: str, port: int,
+                 structured_outputs: dict | None = STRUCTURED_OUTPUTS) -> list[str]:
     """vLLM's OpenAI server with the engine arguments the LanguageModel gives `AsyncLLM`
-    (`deployments.language_model.engine_args`; a test parses both and compares them)."""
+    (`deployments.language_model.engine_args`; a test parses both and compares them);
+    `structured_outputs` None leaves vLLM's defaults (backend `auto`, free whitespace)."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
            "--served-model-name", engine.model_name(), "--dtype", engine.dtype,
            "--max-num-seqs", str(engine.max_num_seqs), "--seed", str(engine.seed),
@@ -104,6 +107,8 @@ def vllm_command(engine: EngineConfig, model_path: str, port: int) -> list[str]:
         cmd.append("--no-enable-prefix-caching")
     if engine.enable_prompt_embeds:
         cmd.append("--enable-prompt-embeds")
+    if structured_outputs:
+        cmd += ["--structured-outputs-config", json.dumps(structured_outputs)]
     return cmd
 
 

@@ -39,9 +39,11 @@ from moonserve.pipeline.api.errors import APIError, bad_request
 from moonserve.pipeline.api.prompt import Rendering
 from moonserve.pipeline.api.streaming import PlainChoice
 from moonserve.pipeline.api.protocol import ChatCompletionRequest, ChoiceOutput, NamedToolChoice
-from moonserve.pipeline.config import ChatConfig
+from moonserve.pipeline.config import STRUCTURED_OUTPUTS, ChatConfig
+from moonserve.pipeline.router.json_schemas import enforced_schema
 
 logger = logging.getLogger("moonserve.router")
+
 
 def client_errors() -> tuple[type[Exception], ...]:
     """What vLLM raises for a bad request (its validation errors are not all ValueErrors)."""
@@ -50,32 +52,30 @@ def client_errors() -> tuple[type[Exception], ...]:
     return ValueError, VLLMClientError
 
 
-def unsupported_keyword(schema: dict) -> tuple[str, str] | None:
-    """(JSON path, keyword) of the innermost part of `schema` xgrammar cannot enforce."""
-    from vllm.v1.structured_output.backend_xgrammar import has_xgrammar_unsupported_json_features
+class ParserTracebacks(logging.Filter):
+    """vLLM's tool and reasoning parsers log a traceback (`logger.exception`) for every model
+    output they cannot parse, and recover: a call cut short by max_tokens, a malformed call under
+    tool_choice auto. Those are outcomes of the model that the API answers as designed (the text
+    as content, or `tool_call_incomplete`), so each becomes one debug line (issue 37)."""
 
-    if not has_xgrammar_unsupported_json_features(schema):
-        return None
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None:
+            exc = record.exc_info[1]
+            record.msg, record.args = f"{record.getMessage()} ({type(exc).__name__}: {exc})", None
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
 
-    def walk(node, path: str) -> tuple[str, str] | None:
-        children = node.items() if isinstance(node, dict) else enumerate(node)
-        for key, value in children:
-            if isinstance(value, (dict, list)):
-                inner = f"{path}[{key!r}]" if isinstance(key, str) else f"{path}[{key}]"
-                if isinstance(value, list) or has_xgrammar_unsupported_json_features(value):
-                    found = walk(value, inner)
-                    if found:
-                        return found
-        if isinstance(node, dict) and has_xgrammar_unsupported_json_features(node):
-            # The keyword whose removal makes this part enforceable (its parts are; `type` only
-            # selects which checks apply).
-            keyword = next((k for k in node if k != "type" and not
-                            has_xgrammar_unsupported_json_features(
-                                {key: value for key, value in node.items() if key != k})), "?")
-            return path, keyword
-        return None
 
-    return walk(schema, "")
+def quiet_parser_tracebacks(parser_cls) -> None:
+    """`ParserTracebacks` on the loggers of the tool and reasoning parsers `parser_cls` composes
+    (vLLM names each logger after its module)."""
+    for cls in (getattr(parser_cls, "tool_parser_cls", None),
+                getattr(parser_cls, "reasoning_parser_cls", None)):
+        parser_logger = logging.getLogger(cls.__module__) if cls is not None else None
+        if parser_logger and not any(isinstance(f, ParserTracebacks)
+                                     for f in parser_logger.filters):
+            parser_logger.addFilter(ParserTracebacks())
 
 
 class KimiK3Rendering(Rendering):
@@ -131,6 +131,7 @@ class ChatParsing:
             tool_parser_name=config.tools.parser, reasoning_parser_name=config.reasoning.parser,
             enable_auto_tools=config.tools.parser is not None,
             tool_strict_level=config.tools.strict_level, tokenizer=tokenizer)
+        quiet_parser_tracebacks(self.parser_cls)
 
     def plan(self, body: ChatCompletionRequest) -> ChatPlan:
         """What this request needs from the engine and from the output parser; 400s first."""
@@ -140,9 +141,10 @@ class ChatParsing:
                               "(language_model.chat.tools.parser)", "tools")
         if not self.needs_vllm(body):  # plain chat: text in, text out, nothing to parse per token
             return ChatPlan(self, body, None, None, body.skip_special_tokens)
-        request = self.vllm_request(body)
-        if self.parser_cls is not None and calls_tools:
-            self.check_tool_schemas(body)
+        parameters = self.tool_parameters(body) if self.parser_cls is not None and calls_tools \
+            else {}
+        schema = self.response_schema(body)
+        request = self.vllm_request(body, parameters, schema)
         parser = self.new_parser(request, body)
         if parser is not None:
             try:
@@ -150,8 +152,8 @@ class ChatParsing:
             except client_errors() as exc:
                 raise bad_request(f"tools: {exc}", "tools") from None
         structured = request.extract_structured_outputs()
-        if structured is not None:
-            self.check_structured_outputs(structured, body)
+        if structured is not None and (schema is None or structured.json != schema):
+            self.check_structured_outputs(structured, constraint_param(body))
         return ChatPlan(self, body, request, structured_outputs=None if structured is None else
                         {k: v for k, v in vars(structured).items()
                          if not k.startswith("_") and v not in (None, False)},
@@ -163,8 +165,11 @@ class ChatParsing:
             body.response_format is not None and body.response_format.type != "text")
         return bool(body.tools) or constrained or self.config.reasoning.parser is not None
 
-    def vllm_request(self, body: ChatCompletionRequest):
-        """The request as vLLM's protocol model (text only: the parsers never read images)."""
+    def vllm_request(self, body: ChatCompletionRequest, parameters: dict[int, dict],
+                     schema: dict | None):
+        """The request as vLLM's protocol model (text only: the parsers never read images), with
+        `parameters` (by tool index) and `schema` (the response's) as the JSON Schemas the
+        constraint holds them to (`enforced_schema`'s)."""
         from vllm.entrypoints.openai.chat_completion.protocol import (
             ChatCompletionRequest as VllmRequest,
         )
@@ -172,6 +177,12 @@ class ChatParsing:
         fields = body.model_dump(by_alias=True, exclude_none=True, include={
             "model", "tools", "parallel_tool_calls", "response_format", "structured_outputs",
             "chat_template_kwargs", "reasoning_effort", "skip_special_tokens"})
+        for i, parameters_schema in parameters.items():
+            fields["tools"][i]["function"]["parameters"] = parameters_schema
+        if schema is not None and body.structured_outputs is not None:
+            fields["structured_outputs"]["json"] = schema
+        elif schema is not None:
+            fields["response_format"]["json_schema"]["schema"] = schema
         choice = body.effective_tool_choice()
         messages = [{**m.model_dump(exclude_none=True, include={
             "role", "name", "tool_calls", "tool_call_id", "reasoning_content"}),
@@ -191,40 +202,77 @@ class ChatParsing:
                                chat_template_kwargs=self.rendering.template_kwargs(
                                    body.template_kwargs()))
 
-    def check_tool_schemas(self, body: ChatCompletionRequest) -> None:
-        """Every tool the grammar holds to its schema must be one xgrammar can enforce: at strict
-        level `parameter` every tool the call may name, below it the `strict: true` ones."""
+    def tool_parameters(self, body: ChatCompletionRequest) -> dict[int, dict]:
+        """Every tool the grammar holds to its schema (at strict level `parameter` every tool the
+        call may name, below it the `strict: true` ones), by index: its parameters as xgrammar
+        enforces them (`enforced_schema`), or a 400 naming the tool's parameters."""
         choice = body.effective_tool_choice()
+        out = {}
         for i, tool in enumerate(body.tools):
             if isinstance(choice, NamedToolChoice) and tool.function.name != choice.function.name:
                 continue
             if self.config.tools.strict_level != "parameter" and not tool.function.strict:
                 continue
-            found = unsupported_keyword(tool.function.parameters or {})
-            if found:
-                path, keyword = found
-                param = f"tools[{i}].function.parameters"
-                raise bad_request(
-                    f"{param}: the keyword {keyword!r}{f' at {path}' if path else ''} cannot be "
-                    f"enforced by the structured-output backend, so the arguments of tool "
-                    f"{tool.function.name!r} could not be guaranteed to validate; remove it",
-                    param)
+            param = f"tools[{i}].function.parameters"
+            out[i] = enforced_schema(tool.function.parameters or {}, param,
+                                     self.schema_check(param),
+                                     f"the arguments of tool {tool.function.name!r}")
+        return out
 
-    def check_structured_outputs(self, structured, body: ChatCompletionRequest) -> None:
-        """vLLM's own check of a constraint, as its engine runs it at `backend: auto`."""
+    def response_schema(self, body: ChatCompletionRequest) -> dict | None:
+        """The JSON Schema of `response_format` or `structured_outputs.json` as xgrammar
+        enforces it (`enforced_schema`), or a 400 naming the field; None without one."""
+        param = constraint_param(body)
+        if body.structured_outputs is not None:
+            schema = body.structured_outputs.json_
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as exc:
+                    raise bad_request(f"{param}: not valid JSON: {exc}", param) from None
+                if not isinstance(schema, dict):
+                    raise bad_request(f"{param}: a JSON Schema must be an object", param)
+        elif body.response_format is not None and body.response_format.type == "json_schema":
+            schema = body.response_format.json_schema.schema_
+        else:
+            return None
+        if schema is None:
+            return None
+        return enforced_schema(schema, param, self.schema_check(param))
+
+    def schema_check(self, param: str):
+        """vLLM's own check of a JSON Schema constraint (it compiles it), as `enforced_schema`
+        takes it."""
+        from vllm.sampling_params import StructuredOutputsParams
+
+        return lambda schema: self.check_structured_outputs(
+            StructuredOutputsParams(json=schema), param)
+
+    def check_structured_outputs(self, structured, param: str) -> None:
+        """vLLM's own check of a constraint, as the engine runs it (`STRUCTURED_OUTPUTS`:
+        xgrammar, which vLLM's check compiles it with)."""
         from vllm.config import StructuredOutputsConfig
         from vllm.sampling_params import SamplingParams
 
-        param = "structured_outputs" if body.structured_outputs is not None else \
-            "response_format" if body.response_format is not None else "tools"
         try:
             # On a copy: the check rewrites some constraints in place (a choice into a grammar).
             params = SamplingParams(structured_outputs=copy.deepcopy(structured))
             # model_config is read only for `is_diffusion`.
-            params._validate_structured_outputs(SimpleNamespace(is_diffusion=False),
-                                                StructuredOutputsConfig(), self.tokenizer)
+            params._validate_structured_outputs(
+                SimpleNamespace(is_diffusion=False),
+                StructuredOutputsConfig(**STRUCTURED_OUTPUTS), self.tokenizer)
         except client_errors() as exc:
             raise bad_request(f"{param}: {exc}", param) from None
+
+
+def constraint_param(body: ChatCompletionRequest) -> str:
+    """The field a request's constraint came from, as a 400 names it."""
+    if body.structured_outputs is not None:
+        return "structured_outputs.json" if body.structured_outputs.json_ is not None \
+            else "structured_outputs"
+    if body.response_format is not None and body.response_format.type == "json_schema":
+        return "response_format.json_schema.schema"
+    return "response_format" if body.response_format is not None else "tools"
 
 
 @dataclass

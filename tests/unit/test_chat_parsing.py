@@ -6,6 +6,7 @@ streamed), all with the embedded checkpoint's real tokenizer."""
 from __future__ import annotations
 
 import json
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -542,6 +543,24 @@ def test_forced_call_cut_inside_its_arguments_streams_the_400(parsing, tokenizer
     rejected(lambda: finished(plan.choice_parser(prompt_ids), tokenizer, cut, "length"))
     rejected(lambda: run_stream(plan.choice_parser(prompt_ids), stream_deltas(tokenizer, cut),
                                 "length"))
+
+
+def test_calls_cut_short_log_no_traceback(parsing, tokenizer, prompt_ids, caplog):
+    """vLLM's hermes parser logs `logger.exception` for a call it cannot parse; a call cut by
+    max_tokens is an expected outcome (answered as `tool_call_incomplete`, or as content under
+    auto): no traceback, at most one debug line per parse."""
+    cut = ONE_CALL[:ONE_CALL.index("Zürich")]
+    auto = parsing.plan(request(tools=TOOLS))
+    forced = parsing.plan(request(tools=TOOLS, tool_choice="required"))
+    with caplog.at_level("DEBUG"):
+        assert finished(auto.choice_parser(prompt_ids), tokenizer, cut, "length") == \
+            {"content": cut}
+        rejected(lambda: run_stream(forced.choice_parser(prompt_ids),
+                                    stream_deltas(tokenizer, cut), "length"))
+    parser_records = [r for r in caplog.records if r.name.startswith("vllm.tool_parsers")]
+    assert parser_records, "the parser logged nothing: this test no longer reaches its failure"
+    assert all(r.exc_info is None and r.levelno == logging.DEBUG for r in parser_records)
+    assert all("\n" not in r.getMessage() for r in parser_records)
 
 
 # --- response bodies ----------------------------------------------------------------------------

@@ -443,6 +443,23 @@ async def test_lm_failure_mid_stream_is_an_error_event_then_done(text_client, lm
     assert lm.aborted == [lm.requests[0].request_id]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_choice_the_engine_ended_with_an_error_is_never_a_200_choice(model_path, stream,
+                                                                          router_config):
+    """vLLM's FinishReason.ERROR (its scheduler ends a request whose grammar refused a token):
+    a 500 for a whole answer, an error event after the tokens before it for a stream."""
+    lm = FakeLanguageModel([GenerationDelta("{", 1, 9),
+                            GenerationDelta('"a', 1, 9, finish_reason="error")])
+    async with serving(Router(router_config, FakeDeploymentHandle(lm), model_path)) as client:
+        r = await client.post("/v1/chat/completions", json=chat(stream=stream))
+    if not stream or r.status_code == 500:  # a stream whose deltas arrived merged: no headers yet
+        assert_error(r, 500, None, "generation_failed")
+        return
+    *chunks, error, done = sse_events(r.text)
+    assert done == "[DONE]" and error["error"]["code"] == "generation_failed"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks if c["choices"])
+
+
 async def test_lost_output_channel_mid_stream_is_a_503_event_and_cancels_the_call(
         model_path, lm, lm_handle):
     router = Router(RouterConfig(outputs=OutputsConfig(host="127.0.0.1")), lm_handle, model_path)
@@ -631,3 +648,41 @@ def test_parameters_vllm_refuses_are_a_400_naming_them():
     error = lm_failure(VLLMValidationError("too many", parameter="n", value=3), "r1")
     assert (error.status, error.param) == (400, "n") and "too many" in error.message
     assert lm_failure(RuntimeError("engine bug"), "r1").status == 500
+
+
+async def test_an_unhandled_error_is_an_openai_500_naming_the_request_logged_once(
+        text_client, lm, caplog):
+    """A bug in a handler (here the LM's model_info raises what no mapping expects) answers an
+    OpenAI-shaped 500 whose message names the request id of the `x-request-id` header, and the
+    Router logs it once, with its traceback."""
+
+    async def broken_model_info():
+        raise KeyError("a bug")
+
+    lm.model_info = broken_model_info
+    with caplog.at_level("ERROR", logger="moonserve.router"):
+        r = await text_client.post("/v1/chat/completions", json=chat(),
+                                   headers={"x-request-id": "req-42"})
+    error = assert_error(r, 500, None, "internal_error")
+    assert error["type"] == "internal_error" and "req-42" in error["message"]
+    logged = [rec for rec in caplog.records if rec.name == "moonserve.router"]
+    assert len(logged) == 1 and logged[0].exc_info is not None and "req-42" in logged[0].message
+    r = await text_client.get("/v1/models")  # without the header: the Router makes an id
+    assert r.status_code == 500 and r.headers["x-request-id"] in r.json()["error"]["message"]
+
+
+def test_engine_logprobs_are_floored_as_vllm_floors_them():
+    """A token a grammar masks has logprob -inf in vLLM's map (and NaN must not pass either):
+    every logprob the LanguageModel hands on is a finite number, floored at vLLM's -9999.0."""
+    from vllm.logprobs import Logprob
+
+    from moonserve.deployments.language_model import token_logprobs
+    from moonserve.pipeline.api.protocol import MIN_LOGPROB
+
+    candidates = {5: Logprob(-0.25, rank=1, decoded_token="a"),
+                  7: Logprob(float("-inf"), rank=2, decoded_token="b"),
+                  9: Logprob(float("nan"), rank=3, decoded_token="c")}
+    (entry,) = token_logprobs([7], [candidates], num_top=3)
+    assert entry.logprob == MIN_LOGPROB == -9999.0
+    assert entry.top == (("a", -0.25), ("b", MIN_LOGPROB), ("c", MIN_LOGPROB))
+    assert json.loads(json.dumps(msgspec.to_builtins(entry), allow_nan=False))
