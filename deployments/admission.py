@@ -1,9 +1,10 @@
 """LaneAdmission deployment: the lanes of the whole application, when the Router has replicas.
 
-One replica holds the book (`moonserve.pipeline.api.admission.AdmissionBook`): every Router replica
-admits each request through `admit` (which waits while the request's lane is full), frees slots
-with `release`, and lists what it holds with `sync` every second. Lane counts go to the same Ray
-metrics the Routers' own lanes report (`moonserve_lane_*`), so the dashboard's sums hold either way.
+One replica holds the book (`moonserve.pipeline.api.application_lanes.AdmissionBook`): every
+Router replica admits each request through `admit` (which waits while the request's lane is full),
+frees slots with `release`, and lists what it holds with `sync` every second. Lane counts go to the
+same Ray metrics the Routers' own lanes report (`moonserve_lane_*`), so the dashboard's sums hold
+either way.
 
 Example (without Serve):
     >>> admission = LaneAdmission(LanesConfig())
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 
-from moonserve.pipeline.api.admission import HEARTBEAT_S, AdmissionBook
+from moonserve.pipeline.api.application_lanes import HEARTBEAT_S, AdmissionBook
 from moonserve.pipeline.config import LanesConfig
 from moonserve.pipeline.metrics import RouterMetrics
 

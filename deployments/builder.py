@@ -85,10 +85,12 @@ def bind_router(config: RouterConfig, language_model, model_path: str,
     each a bound deployment or an existing handle. `drain_s`: its graceful shutdown."""
     router = serve.deployment(serve.ingress()(Router), name="Router",
                               **router_options(config, drain_s))
-    return router.bind(config, language_model, model_path, resolve_api_keys(config), vision,
-                       preprocessor, encoder, trust_remote_code, chat,
-                       bind_rate_limiter(config.rate_limits),
-                       bind_admission(config.lanes, config.deployment.max_replicas()))
+    return router.bind(
+        config=config, language_model=language_model, model_path=model_path,
+        api_keys=resolve_api_keys(config), vision=vision, preprocessor=preprocessor,
+        encoder=encoder, trust_remote_code=trust_remote_code, chat=chat,
+        rate_limiter=bind_rate_limiter(config.rate_limits),
+        admission=bind_admission(config.lanes, config.deployment.max_replicas()))
 
 
 def bind_admission(config: LanesConfig, router_replicas: int) -> Application | None:
@@ -99,7 +101,7 @@ def bind_admission(config: LanesConfig, router_replicas: int) -> Application | N
     return serve.deployment(LaneAdmission, name="LaneAdmission", num_replicas=1,
                             # every queued request is one call waiting here
                             max_ongoing_requests=config.capacity() * router_replicas + 1024,
-                            ray_actor_options={"num_cpus": 0}).bind(config)
+                            ray_actor_options={"num_cpus": 0}).bind(config=config)
 
 
 def bind_rate_limiter(config: RateLimitsConfig) -> Application | None:
@@ -109,7 +111,7 @@ def bind_rate_limiter(config: RateLimitsConfig) -> Application | None:
         return None
     return serve.deployment(RateLimiter, name="RateLimiter", num_replicas=1,
                             max_ongoing_requests=4096,
-                            ray_actor_options={"num_cpus": 0}).bind(config)
+                            ray_actor_options={"num_cpus": 0}).bind(config=config)
 
 
 def resolve_encoder_path(config: VisionEncoderConfig, lm_path: str) -> str:
@@ -134,15 +136,15 @@ def bind_vision(vision: VisionConfig, lm: LanguageModelConfig,
     encoder-only vLLM engine on the LM's own checkpoint (`EngineVisionEncoder`)."""
     engine_cache = vision.handover == "encoder_cache"
     preprocessor = serve.deployment(
-        ImagePreprocessor, name="ImagePreprocessor",
-        **cpu_options(vision.preprocessor.deployment)).bind(vision.preprocessor, engine_cache)
+        ImagePreprocessor, name="ImagePreprocessor", **cpu_options(vision.preprocessor.deployment)
+    ).bind(config=vision.preprocessor, decoded_only=engine_cache)
     options = cpu_options(vision.encoder.deployment, vision.encoder.num_gpus)
     if engine_cache:
         encoder = serve.deployment(EngineVisionEncoder, name="VisionEncoder", **options).bind(
-            vision.encoder, lm.engine, lm_path)
+            config=vision.encoder, engine=lm.engine, model_path=lm_path)
     else:
         encoder = serve.deployment(VisionEncoder, name="VisionEncoder", **options).bind(
-            vision.encoder, resolve_encoder_path(vision.encoder, lm_path))
+            config=vision.encoder, model_path=resolve_encoder_path(vision.encoder, lm_path))
     return preprocessor, encoder
 
 
@@ -163,7 +165,8 @@ def bind_draft_service(config: DraftConfig, lm_path: str,
         DraftService, name="DraftService",
         **cpu_options(config.deployment, config.num_gpus, drain_s),
         **({"request_router_config": router} if router else {}),
-    ).bind(config, resolve_draft_model_path(config, lm_path), lm_path)
+    ).bind(config=config, draft_model_path=resolve_draft_model_path(config, lm_path),
+           target_path=lm_path)
 
 
 def bind_language_model(config: LanguageModelConfig, model_path: str, draft: DraftConfig,
@@ -173,7 +176,8 @@ def bind_language_model(config: LanguageModelConfig, model_path: str, draft: Dra
         if draft.mode == "service" else None
     return serve.deployment(
         LanguageModel, name="LanguageModel", **language_model_options(config, drain_s)
-    ).bind(config, model_path, draft, draft_service, images)
+    ).bind(config=config, model_path=model_path, draft=draft, draft_service=draft_service,
+           images=images)
 
 
 def build_app(args: AppConfig) -> Application:
@@ -183,13 +187,14 @@ def build_app(args: AppConfig) -> Application:
     drain_s = args.drain_s()
     images = None if args.vision is None or args.vision.handover != "encoder_cache" else \
         ImageInput(args.vision.encoder.store, args.router.limits.max_images)
-    language_model = bind_language_model(args.language_model, model_path, args.draft, drain_s,
-                                         images)
+    language_model = bind_language_model(args.language_model, model_path, draft=args.draft,
+                                         drain_s=drain_s, images=images)
     trust = args.language_model.engine.trust_remote_code
     chat = args.language_model.chat
     if args.vision is None:
         return bind_router(args.router, language_model, model_path, trust_remote_code=trust,
                            chat=chat, drain_s=drain_s)
     preprocessor, encoder = bind_vision(args.vision, args.language_model, model_path)
-    return bind_router(args.router, language_model, model_path, args.vision, preprocessor, encoder,
-                       trust, chat, drain_s)
+    return bind_router(args.router, language_model, model_path, vision=args.vision,
+                       preprocessor=preprocessor, encoder=encoder, trust_remote_code=trust,
+                       chat=chat, drain_s=drain_s)

@@ -36,7 +36,7 @@ from moonserve.pipeline.api.protocol import (
     SamplingSpec,
     TokenLogprob,
 )
-from moonserve.pipeline.engine.outputs import OutputSenders, send_outputs
+from moonserve.pipeline.engine.output_sender import OutputSenders, send_outputs
 from moonserve.pipeline.models.weights import TOKEN_EMBEDDING_NAMES, find_tensor, read_tensors, tensor_files
 
 logger = logging.getLogger("moonserve.language_model")

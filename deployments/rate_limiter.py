@@ -1,6 +1,6 @@
 """RateLimiter deployment: every client's rate-limit buckets for the whole application.
 
-One replica holds them all (`moonserve.pipeline.api.rate_limits.RateLimiter`), so a client's
+One replica holds them all (`moonserve.pipeline.api.token_buckets.ClientBuckets`), so a client's
 limits are the same whichever Router replica its requests reach. Routers call `acquire` before
 reading a request's body and `charge` when it ends. A replica that restarts starts with full
 buckets: for a moment clients may send more than their limit, never less.
@@ -13,13 +13,13 @@ Example (without Serve):
 
 from __future__ import annotations
 
-from moonserve.pipeline.api.rate_limits import RateLimiter as Buckets
+from moonserve.pipeline.api.token_buckets import ClientBuckets
 from moonserve.pipeline.config import RateLimitsConfig
 
 
 class RateLimiter:
     def __init__(self, config: RateLimitsConfig):
-        self.buckets = Buckets(config)
+        self.buckets = ClientBuckets(config)
 
     async def acquire(self, client: str) -> tuple[str, float] | None:
         """None when `client` may send a request now; else (the limit, seconds to wait)."""

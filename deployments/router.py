@@ -25,12 +25,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from moonserve.pipeline.api.admission import SharedLanes
+from moonserve.pipeline.api.application_lanes import SharedLanes
 from moonserve.pipeline.api.auth import ApiKeys, client_id
 from moonserve.pipeline.api.background import in_background
 from moonserve.pipeline.api.body import parse_body, read_body
 from moonserve.pipeline.api.errors import APIError, InternalErrors, bad_request
-from moonserve.pipeline.api.rate_limits import rate_limited
 from moonserve.pipeline.api.lanes import Lanes
 from moonserve.pipeline.api.limits import (
     check_chat_limits,
@@ -51,13 +50,14 @@ from moonserve.pipeline.api.protocol import (
     sampling_spec,
 )
 from moonserve.pipeline.api.streaming import ResponseFormat, StreamEncoder, sse
+from moonserve.pipeline.api.token_buckets import rate_limited
 from moonserve.pipeline.config import ChatConfig, RouterConfig, VisionConfig
 from moonserve.pipeline.models.chat_templates import chat_template_text
 from moonserve.pipeline.metrics import RequestTrace, RouterMetrics
 from moonserve.pipeline.router.chat_parsing import ChatParsing, ChatPlan, rendering_for
 from moonserve.pipeline.router.failures import gather_calls, lm_failure
 from moonserve.pipeline.router.fan_in import EncodingImages, ImageFanIn
-from moonserve.pipeline.router.outputs import ChannelLost, OutputReceiver, RequestOutputs
+from moonserve.pipeline.router.output_receiver import ChannelLost, OutputReceiver, RequestOutputs
 
 logger = logging.getLogger("moonserve.router")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_type_hints
 
 import yaml
 from pydantic import (
@@ -24,13 +24,13 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     SecretStr,
+    create_model,
     field_validator,
     model_validator,
 )
 
 from moonserve.pipeline.speculative.adaptive import AdaptivePolicy
 from moonserve.pipeline.speculative.sessions import SessionLimits
-from moonserve.pipeline.vision.preprocess_config import DEFAULT_CONFIG as PREPROCESS_DEFAULTS
 from moonserve.pipeline.vision.preprocess_config import PreprocessConfig
 from moonserve.pipeline.vision.remote_policy import RemotePolicy
 
@@ -419,7 +419,7 @@ class LimitsConfig(StrictModel):
 
 class RateLimitsConfig(StrictModel):
     """Per client (API key; client address with auth off), for the whole application whatever the
-    number of Router replicas (pipeline/api/rate_limits.py). Over a limit: 429 with Retry-After.
+    number of Router replicas (pipeline/api/token_buckets.py). Over a limit: 429 with Retry-After.
 
     With a limit set, the app runs a `RateLimiter` deployment that holds every client's buckets;
     each request costs the Router one call to it before the body is read, and one when it ends.
@@ -466,7 +466,7 @@ class LanesConfig(StrictModel):
 
     `scope: application` holds each lane's limits for the whole application: with more than one
     Router replica (`router.deployment`), they admit through one `LaneAdmission` replica
-    (pipeline/api/admission.py), one call per request; with one, its own lanes are the
+    (pipeline/api/application_lanes.py), one call per request; with one, its own lanes are the
     application's. `scope: replica` gives every Router replica the limits for itself.
     """
 
@@ -514,42 +514,29 @@ class LanesConfig(StrictModel):
         return 1 if self.scope == "application" else router_replicas
 
 
-class ImagePreprocessorConfig(StrictModel):
+def preprocess_fields() -> dict[str, tuple]:
+    """`PreprocessConfig`'s fields as pydantic ones: the type with its bound, the default and the
+    description, each written once (pipeline/vision/preprocess_config.py)."""
+    types = get_type_hints(PreprocessConfig, include_extras=True)
+    return {f.name: (types[f.name], Field(f.default, description=f.metadata["description"]))
+            for f in fields(PreprocessConfig)}
+
+
+# The YAML keys `patch_size` to `background_rgb` of `vision.preprocessor`.
+PreprocessFields = create_model("PreprocessFields", __base__=StrictModel, __module__=__name__,
+                                **preprocess_fields())
+
+
+class ImagePreprocessorConfig(PreprocessFields):
     """ImagePreprocessor deployment: fetch, decode, validate, NaViT resize, normalize, patchify.
 
     The fields from `patch_size` to `background_rgb` are `PreprocessConfig`'s
-    (pipeline/vision/preprocess_config.py: meanings and defaults); the layout fields mirror the
-    checkpoint's `preprocessor_config.json` (`media_proc_cfg`). `remote` is a `RemotePolicy`
-    (pipeline/vision/remote_policy.py): `http(s)` image URLs are off unless `allowed_hosts` names
-    hosts.
+    (pipeline/vision/preprocess_config.py: types, bounds, defaults and descriptions); the layout
+    fields mirror the checkpoint's `preprocessor_config.json` (`media_proc_cfg`). `remote` is a
+    `RemotePolicy` (pipeline/vision/remote_policy.py): `http(s)` image URLs are off unless
+    `allowed_hosts` names hosts.
     """
 
-    patch_size: PositiveInt = Field(PREPROCESS_DEFAULTS.patch_size, description=(
-        "Side of one ViT patch, in pixels (KimiK3VisionConfig.patch_size)."))
-    merge_kernel: tuple[PositiveInt, PositiveInt] = Field(
-        PREPROCESS_DEFAULTS.merge_kernel, description=(
-            "Patches merged into one LM token, (rows, cols), square "
-            "(KimiK3VisionConfig.merge_kernel_size)."))
-    in_patch_limit: PositiveInt = Field(PREPROCESS_DEFAULTS.in_patch_limit, description=(
-        "Most patches one image may have after the resize (media_proc_cfg.in_patch_limit): "
-        "16384 patches = 4096 image tokens, about 3.2 megapixels."))
-    patch_limit_on_one_side: PositiveInt = Field(
-        PREPROCESS_DEFAULTS.patch_limit_on_one_side, description=(
-            "Most patches along either side (media_proc_cfg.patch_limit_on_one_side; 512 = "
-            "7168 px); a multiple of the merge kernel's side."))
-    image_mean: tuple[float, float, float] = Field(PREPROCESS_DEFAULTS.image_mean, description=(
-        "Per-channel RGB mean subtracted after scaling to [0, 1] (media_proc_cfg.image_mean)."))
-    image_std: tuple[float, float, float] = Field(PREPROCESS_DEFAULTS.image_std, description=(
-        "Per-channel RGB standard deviation the pixels are divided by after the mean "
-        "(media_proc_cfg.image_std; each > 0)."))
-    max_image_bytes: PositiveInt = Field(PREPROCESS_DEFAULTS.max_image_bytes, description=(
-        "Largest encoded image accepted, in bytes (checked before any parsing, and while a "
-        "remote image downloads)."))
-    max_image_pixels: PositiveInt = Field(PREPROCESS_DEFAULTS.max_image_pixels, description=(
-        "Largest decoded image accepted, width * height from the header (checked before "
-        "decoding)."))
-    background_rgb: tuple[int, int, int] = Field(PREPROCESS_DEFAULTS.background_rgb, description=(
-        "What transparent pixels are composited onto (vLLM's default rgba_background_color)."))
     remote: RemotePolicy = Field(RemotePolicy(), description=(
         "Which `http(s)` image URLs may be fetched (pipeline/vision/remote_policy.py); off "
         "unless `allowed_hosts` names hosts."))

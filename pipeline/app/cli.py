@@ -74,7 +74,7 @@ def bench_module(name: str):
 BENCHMARKS = {"overhead": bench_module("overhead"), "lanes": bench_module("lanes"),
               "vision": bench_module("vision"), "reliability": bench_module("reliability"),
               "speculative": bench_module("speculative"), "tools": bench_module("tools"),
-              "admission": bench_module("admission"), "routing": bench_module("routing"),
+              "admission": bench_module("admission_latency"), "routing": bench_module("routing"),
               "structured": bench_module("structured")}
 
 

@@ -6,8 +6,9 @@ NVIDIA GPU, plus the kernels' prepared GPU checks; one JSON line per check.
 Checks, in order (each prints {"check", "status": passed|failed|skipped, ...} on one line):
 1. env.*: torch with CUDA and a device, a vLLM GPU build, triton, openai/Pillow/ray. No CUDA
    device: one `skipped` line and exit status 3; a missing package: `failed`, exit status 4.
-2. checkpoint.k3 / checkpoint.dspark: configs and tokenizer from pipeline/models/k3_synthetic.py,
-   random bf16 weights from pipeline/models/k3_random_weights.py (`SMOKE_DIMS`); the K3 one must pass
+2. checkpoint.k3 / checkpoint.dspark: configs and tokenizer from
+   pipeline/synthetic_checkpoints/k3.py, random bf16 weights from
+   pipeline/synthetic_checkpoints/k3_random_weights.py (`SMOKE_DIMS`); the K3 one must pass
    `moonserve check-checkpoint` at TP=1, both must load as vLLM's KimiK3Config / K3DSparkConfig.
 3. config.serve: configs/mi355x-k3.1-pro.yaml with one-GPU overrides (`smoke_app_args`): TP=1,
    DCP=1, max_model_len 8192, one placement bundle, the tiny paths, an API key, ROCm variables
@@ -128,7 +129,10 @@ def check_vllm(rec: Recorder) -> bool:
 
 def build_checkpoints(rec: Recorder, workdir: Path) -> tuple[Path, Path] | None:
     """The tiny K3 and DSpark directories under workdir, or None when either check failed."""
-    from moonserve.pipeline.models.k3_random_weights import write_random_weights, write_smoke_configs
+    from moonserve.pipeline.synthetic_checkpoints.k3_random_weights import (
+        write_random_weights,
+        write_smoke_configs,
+    )
 
     k3_dir, dspark_dir = workdir / "kimi-k3-tiny", workdir / "kimi-k3-tiny-dspark"
     began = time.monotonic()

@@ -30,12 +30,12 @@ import zmq
 
 from moonserve.pipeline.bench.client import percentile
 from moonserve.pipeline.models.dspark import DSparkConfig, DSparkModel
-from moonserve.pipeline.models.k3_random_weights import SMOKE_DIMS
 from moonserve.pipeline.speculative.adaptive import AdaptivePolicy
 from moonserve.pipeline.speculative.dspark_context import ContextDSparkDrafter
 from moonserve.pipeline.speculative.endpoint import StepServer, connect_step_socket
 from moonserve.pipeline.speculative.service import DraftCore
 from moonserve.pipeline.speculative.wire import EndpointAnswer, Row, StepReply, StepRequest
+from moonserve.pipeline.synthetic_checkpoints.k3_random_weights import SMOKE_DIMS
 
 BATCHES = (1, 8, 64)
 PROMPT_TOKENS = 64

@@ -20,7 +20,7 @@ from ray.exceptions import (
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from moonserve.pipeline.api.errors import APIError
-from moonserve.pipeline.router.outputs import ChannelLost
+from moonserve.pipeline.router.output_receiver import ChannelLost
 from moonserve.pipeline.vision.errors import ImageError
 
 logger = logging.getLogger("moonserve.router")

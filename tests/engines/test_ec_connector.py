@@ -1,8 +1,8 @@
 """The encoder-output handover of `moonserve.pipeline.engine.ec_connector` on real vLLM CPU engines.
 
-One tiny Kimi-K2.5 checkpoint with random weights (`k25_synthetic`) and two engines, each started,
-used and shut down inside its own fixture, so never two at once: an `ec_producer` writing a tmp
-store, and an `ec_consumer` reading it. The key properties: the rows the consumer's language model
+One tiny Kimi-K2.5 checkpoint with random weights (`synthetic_checkpoints.k25`) and two engines,
+each started, used and shut down inside its own fixture, so never two at once: an `ec_producer`
+writing a tmp store, and an `ec_consumer` reading it. The key properties: the rows the consumer's language model
 gets at the image positions are the stored tensor, and bit-equal to what the consumer computes
 from the pixels itself when the key is not stored (so a handed-over image is exactly an image
 encoded in the engine); a miss still serves the request. `EngineProbe` (a vLLM worker extension)
@@ -24,8 +24,8 @@ import torch
 from PIL import Image
 
 from moonserve.pipeline.engine.ec_connector import ec_transfer_config, get, store_path
-from moonserve.pipeline.models.k3_synthetic import token_id
-from moonserve.pipeline.models.k25_synthetic import IMAGE_PLACEHOLDER, write_k25_checkpoint
+from moonserve.pipeline.synthetic_checkpoints.k3 import token_id
+from moonserve.pipeline.synthetic_checkpoints.k25 import IMAGE_PLACEHOLDER, write_k25_checkpoint
 
 KEY = "k25-gradient"  # the request's multi_modal_uuids entry: the store's key
 SAME_KEY = "k25-gradient-again"  # the same image under a key nothing stored

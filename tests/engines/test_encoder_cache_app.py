@@ -1,10 +1,10 @@
 """`vision.handover: encoder_cache` in a running app: an image is encoded once, in the VisionEncoder.
 
 The app is `configs/local.yaml` on a tiny Kimi-K2.5 checkpoint with random weights
-(`k25_synthetic`, written here), which vLLM serves as multimodal. The VisionEncoder runs its tower
-in an encoder-only `ec_producer` engine that stores each image's output in a tmp store; the
-LanguageModel's `ec_consumer` engine gets the image in K2.5's own prompt format and loads the
-stored output. The LanguageModel's workers carry `ImageProbe`
+(`synthetic_checkpoints.k25`, written here), which vLLM serves as multimodal. The VisionEncoder
+runs its tower in an encoder-only `ec_producer` engine that stores each image's output in a tmp
+store; the LanguageModel's `ec_consumer` engine gets the image in K2.5's own prompt format and
+loads the stored output. The LanguageModel's workers carry `ImageProbe`
 (`moonserve.pipeline.engine.worker_probe`), which counts the engine's encoder calls and records the
 token ids and image rows of each prefill. The engines are this module's own and are stopped before
 the session server's starts (tests/engines runs before tests/server).
@@ -24,8 +24,8 @@ from PIL import Image
 from tokenizers import Tokenizer
 
 from moonserve.pipeline.engine.ec_connector import get, has
-from moonserve.pipeline.models.k3_synthetic import token_id
-from moonserve.pipeline.models.k25_synthetic import write_k25_checkpoint
+from moonserve.pipeline.synthetic_checkpoints.k3 import token_id
+from moonserve.pipeline.synthetic_checkpoints.k25 import write_k25_checkpoint
 from tests.engines.own_app import local_args, running_app, serve_calls_in_child
 
 HTTP_PORT = 8132
@@ -58,7 +58,7 @@ def app(tmp_path_factory):
                   max_num_batched_tokens=2048, enable_prompt_embeds=False,
                   worker_extension_cls="moonserve.pipeline.engine.worker_probe.ImageProbe")
     args["language_model"]["chat"] = {}
-    # The checkpoint's media_proc_cfg (k25_synthetic.preprocessor_config).
+    # The checkpoint's media_proc_cfg (synthetic_checkpoints.k25.preprocessor_config).
     args["vision"] = {"handover": "encoder_cache", "image_placeholder": MEDIA_PAD,
                       "preprocessor": {"in_patch_limit": 1024, "patch_limit_on_one_side": 64},
                       "encoder": {"store": str(store), "max_batch_size": 2}}

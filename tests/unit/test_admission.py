@@ -13,8 +13,8 @@ import pytest
 
 from moonserve.deployments.admission import LaneAdmission
 from moonserve.deployments.router import Router
-from moonserve.pipeline.api import admission as admission_module
-from moonserve.pipeline.api.admission import (
+from moonserve.pipeline.api import application_lanes
+from moonserve.pipeline.api.application_lanes import (
     GRANT_GRACE_S,
     LEASE_S,
     AdmissionBook,
@@ -171,7 +171,7 @@ async def test_a_client_gone_while_queued_leaves_the_book_queue():
 
 
 async def test_unreachable_admission_falls_back_to_the_replicas_own_lanes(caplog, monkeypatch):
-    monkeypatch.setattr(admission_module, "HEARTBEAT_S", 0.01)
+    monkeypatch.setattr(application_lanes, "HEARTBEAT_S", 0.01)
     lanes = SharedLanes(ONE_SLOT, FakeDeploymentHandle(Unreachable()))
     slot = await lanes.admit("interactive")
     assert lanes.local.lanes["interactive"].in_flight == 1
@@ -183,7 +183,7 @@ async def test_unreachable_admission_falls_back_to_the_replicas_own_lanes(caplog
 
 
 async def test_the_heartbeat_lists_held_tickets(monkeypatch):
-    monkeypatch.setattr(admission_module, "HEARTBEAT_S", 0.01)
+    monkeypatch.setattr(application_lanes, "HEARTBEAT_S", 0.01)
     admission = LaneAdmission(ONE_SLOT)
     lanes = SharedLanes(ONE_SLOT, FakeDeploymentHandle(admission))
     slot = await lanes.admit("interactive")
@@ -234,7 +234,7 @@ async def test_releases_of_one_loop_turn_go_in_one_call():
 
 
 async def test_refuse_early_reads_the_applications_counts_from_the_last_heartbeat(monkeypatch):
-    monkeypatch.setattr(admission_module, "HEARTBEAT_S", 0.01)
+    monkeypatch.setattr(application_lanes, "HEARTBEAT_S", 0.01)
     config = LanesConfig(interactive=LaneLimits(max_in_flight=1, max_queue=0))
     admission = LaneAdmission(config)
     holder, other = (SharedLanes(config, FakeDeploymentHandle(admission)) for _ in range(2))

@@ -710,9 +710,9 @@ def test_forced_call_cut_by_a_stop_sequence_is_a_400_naming_stop(parsing, tokeni
 
 def test_k3_checkpoints_get_vllms_k3_rendering(tmp_path, tokenizer):
     from moonserve.pipeline.api.prompt import Rendering
-    from moonserve.pipeline.models.k3_synthetic import write_k3_config
     from moonserve.pipeline.prepare.language_model import prepare_language_model
     from moonserve.pipeline.router.chat_parsing import KimiK3Rendering, rendering_for
+    from moonserve.pipeline.synthetic_checkpoints.k3 import write_k3_config
 
     assert isinstance(rendering_for(str(write_k3_config(tmp_path / "k3"))), KimiK3Rendering)
     embedded = rendering_for(str(prepare_language_model(progress=False)))

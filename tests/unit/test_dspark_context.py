@@ -22,7 +22,6 @@ import torch
 from safetensors.torch import save_file
 
 from moonserve.pipeline.models.dspark import DSparkConfig
-from moonserve.pipeline.models.k3_random_weights import dspark_expected_tensors
 from moonserve.pipeline.speculative.adaptive import AdaptivePolicy
 from moonserve.pipeline.speculative.dspark_context import (
     ContextDSparkDrafter,
@@ -30,6 +29,7 @@ from moonserve.pipeline.speculative.dspark_context import (
 )
 from moonserve.pipeline.speculative.service import DraftCore
 from moonserve.pipeline.speculative.wire import Row, StepRequest
+from moonserve.pipeline.synthetic_checkpoints.k3_random_weights import dspark_expected_tensors
 
 CONFIG = {
     "architectures": ["K3DSparkModel"], "model_type": "k3_dspark",

@@ -17,7 +17,7 @@ from moonserve.pipeline.bench import gpu_smoke
 from moonserve.pipeline.capacity.checkpoint import check_checkpoint
 from moonserve.pipeline.capacity.kimi_k3_layout import KimiCheckpointConfig, expected_tensors
 from moonserve.pipeline.config import load_app_config
-from moonserve.pipeline.models.k3_random_weights import (
+from moonserve.pipeline.synthetic_checkpoints.k3_random_weights import (
     SMOKE_DIMS,
     dspark_expected_tensors,
     write_random_weights,

@@ -50,7 +50,7 @@ def k3_processor(tmp_path_factory):
     from vllm.config import ModelConfig
     from vllm.multimodal import MULTIMODAL_REGISTRY
 
-    from moonserve.pipeline.models.k3_synthetic import write_k3_config
+    from moonserve.pipeline.synthetic_checkpoints.k3 import write_k3_config
 
     checkpoint = write_k3_config(tmp_path_factory.mktemp("models") / "k3")
     config = ModelConfig(model=str(checkpoint), trust_remote_code=True,

@@ -1,7 +1,8 @@
 """The layout's dependency rule, read from the source with ast (no module is imported).
 
     app/, bench/  ->  deployments/  ->  pipeline/ subpackages (api, engine, speculative, vision,
-    models, prepare, capacity, router) and modules (config, metrics)  ->  kernels/
+    models, prepare, capacity, router, synthetic_checkpoints) and modules (config, metrics)
+    ->  kernels/
 
 A layer imports only from the layers to its right; kernels import nothing of the project but
 moonserve.kernels; pipeline/api (the pure HTTP edge) imports neither ray, torch nor vllm, not even

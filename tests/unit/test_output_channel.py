@@ -20,8 +20,8 @@ from moonserve.pipeline.api.output_wire import (
     encode_frame,
 )
 from moonserve.pipeline.api.protocol import GenerationDelta, TokenLogprob, merge_deltas
-from moonserve.pipeline.engine.outputs import OutputSenders, send_outputs
-from moonserve.pipeline.router.outputs import ChannelLost, OutputReceiver
+from moonserve.pipeline.engine.output_sender import OutputSenders, send_outputs
+from moonserve.pipeline.router.output_receiver import ChannelLost, OutputReceiver
 
 pytestmark = pytest.mark.timeout(60)
 

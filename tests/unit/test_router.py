@@ -29,7 +29,7 @@ from ray.exceptions import ActorDiedError, RayError, RayTaskError
 
 from moonserve.deployments.router import Router
 from moonserve.pipeline.api.protocol import GenerateRequest, GenerationDelta, ImageInfo, ModelInfo
-from moonserve.pipeline.engine.outputs import OutputSenders, send_outputs
+from moonserve.pipeline.engine.output_sender import OutputSenders, send_outputs
 from moonserve.pipeline.config import (
     LaneLimits,
     LanesConfig,

@@ -11,12 +11,13 @@ address. Each client has two token buckets:
   and the client then waits until it refills.
 
 A refused request gets the seconds until the bucket that refused it lets one in (Retry-After).
-The buckets live in one `RateLimiter` per application (`deployments/rate_limiter.py`), so the
-limits hold for the application whatever the number of Router replicas. Clients whose buckets are
-both full are forgotten (a full bucket is the same as none), so memory follows active clients.
+The buckets (`ClientBuckets`) live in one `RateLimiter` deployment per application
+(`deployments/rate_limiter.py`), so the limits hold for the application whatever the number of
+Router replicas. Clients whose buckets are both full are forgotten (a full bucket is the same as
+none), so memory follows active clients.
 
 Example:
-    >>> limiter = RateLimiter(RateLimitsConfig(requests_per_s=2, tokens_per_min=600))
+    >>> limiter = ClientBuckets(RateLimitsConfig(requests_per_s=2, tokens_per_min=600))
     >>> limiter.acquire("client-a"), limiter.acquire("client-a")
     (None, None)
     >>> refusal = limiter.acquire("client-a")       # the third request within a second
@@ -66,7 +67,9 @@ class Refusal:
     retry_after_s: float
 
 
-class RateLimiter:
+class ClientBuckets:
+    """Every client's request and token buckets (the RateLimiter deployment holds one)."""
+
     def __init__(self, config: RateLimitsConfig, clock: Callable[[], float] = time.monotonic):
         self.config = config
         self.clock = clock

@@ -17,7 +17,7 @@ API (all that other modules should use):
   for the unfused q_a/kv_a, gate/up and per-expert names, and the module names of kimi_k25_vit.py,
   whose tower has no loader of its own).
 - `write_k25_checkpoint(dir, seed=0, dims=K25Dims()) -> Path`: config.json, preprocessor_config.json
-  (`media_proc_cfg`), the tokenizer of `k3_synthetic.write_tokenizer` and `model.safetensors`
+  (`media_proc_cfg`), the tokenizer of `k3.write_tokenizer` and `model.safetensors`
   (norms 1, their biases 0, everything else N(0, 0.02); bfloat16, the router bias float32).
 
 Example:
@@ -38,9 +38,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from moonserve.pipeline.models.k3_synthetic import token_id, write_tokenizer
+from moonserve.pipeline.models.weights import WEIGHTS_FILE
+from moonserve.pipeline.synthetic_checkpoints.k3 import token_id, write_tokenizer
 
-WEIGHTS_FILE = "model.safetensors"
 # The placeholder of one image in a prompt; vLLM's processor expands the pad to one per token.
 IMAGE_PLACEHOLDER = "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"
 

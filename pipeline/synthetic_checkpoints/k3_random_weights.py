@@ -1,6 +1,6 @@
 """Random weights for the tiny Kimi K3 and K3 DSpark checkpoints of the GPU smoke run.
 
-`moonserve.pipeline.models.k3_synthetic` writes the configs and tokenizer; this module adds
+`moonserve.pipeline.synthetic_checkpoints.k3` writes the configs and tokenizer; this module adds
 `model.safetensors` beside them, for `python -m moonserve.pipeline.bench.gpu_smoke`. `SMOKE_DIMS`
 is small enough to load in seconds and takes every code path of vLLM's NVIDIA
 `KimiK3ForConditionalGeneration` (KDA and MLA layers, a dense layer and MoE layers with a shared
@@ -39,9 +39,9 @@ import torch
 from safetensors.torch import save_file
 
 from moonserve.pipeline.capacity.kimi_k3_layout import KimiCheckpointConfig, expected_tensors
-from moonserve.pipeline.models.k3_synthetic import K3Dims, write_dspark_config, write_k3_config
+from moonserve.pipeline.models.weights import WEIGHTS_FILE
+from moonserve.pipeline.synthetic_checkpoints.k3 import K3Dims, write_dspark_config, write_k3_config
 
-WEIGHTS_FILE = "model.safetensors"
 FLOAT32_SUFFIXES = ("e_score_correction_bias", "A_log", "dt_bias")  # fp32 parameters in vLLM
 # K3Dims() resized so vLLM's NVIDIA kernels see production geometry: MLA latent 512 + rope 64 with
 # 128-wide nope/v heads (the FlashMLA / FlashAttention-MLA shapes), KDA head_dim 128, 16 MLA heads.
@@ -49,9 +49,11 @@ SMOKE_DIMS = replace(K3Dims(), hidden_size=1024, num_attention_heads=16, q_lora_
                      kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
                      kda_num_heads=8, kda_head_dim=128, intermediate_size=2048, num_experts=16,
                      moe_intermediate_size=256)
+
+
 def write_smoke_configs(k3_dir: Path, dspark_dir: Path, dims: K3Dims = SMOKE_DIMS,
                         draft_layers: int = 2) -> tuple[dict[str, Any], dict[str, Any]]:
-    """config.json + tokenizer of both checkpoints (k3_synthetic); returns both configs."""
+    """config.json + tokenizer of both checkpoints (`k3.py`); returns both configs."""
     write_k3_config(k3_dir, dims)
     write_dspark_config(dspark_dir, dims, num_hidden_layers=draft_layers)
     return (json.loads((k3_dir / "config.json").read_text()),

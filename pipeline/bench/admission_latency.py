@@ -33,7 +33,7 @@ class Probe:
     """Admits and releases through either arm's lanes, as the Router does."""
 
     def __init__(self, config, admission):
-        from moonserve.pipeline.api.admission import SharedLanes
+        from moonserve.pipeline.api.application_lanes import SharedLanes
         from moonserve.pipeline.api.lanes import Lanes
 
         self.arms = {"replica": Lanes(config), "application": SharedLanes(config, admission)}
