@@ -29,7 +29,7 @@ from tests.server.conftest import DASHBOARD_PORT
 
 APP = "replicas"
 STREAMS = 4
-STREAM_TOKENS = 300
+STREAM_TOKENS = 420  # at 4 streams on 2 cores, long enough to outlast Serve's default 20 s drain
 
 
 @pytest.fixture(scope="module")
