@@ -1,13 +1,18 @@
-"""LanguageModel deployment: vLLM's AsyncLLM behind a Ray Serve replica.
+"""LanguageModel deployment: vLLM's engine behind a Ray Serve replica.
+
+The replica hosts vLLM's engine (an AsyncLLM's input processor, engine core and stat loggers)
+and sends what the engine core makes of each request to the Router that forwarded it, which runs
+vLLM's output processing (`moonserve.pipeline.engine.output_sender`,
+`moonserve.pipeline.router.output_receiver`): each token is processed by one frontend.
 
 The replica owns a placement group (bundles from the config). With `tensor_parallel_size > 1` on
 GPUs vLLM's Ray executor puts one worker in each bundle; on CPU, vLLM 0.32 has no Ray executor
 (`CpuPlatform.ray_device_key` is empty), so the workers are vLLM's own processes inside the
 replica's reserved group.
 
-Example (without Serve):
+Example (without Serve, inside an event loop; `address` an `OutputReceiver`'s):
     >>> lm = LanguageModel(LanguageModelConfig(), model_path="/path/to/ckpt")
-    >>> async for delta in lm.generate(GenerateRequest("r1", [1, 2, 3], SamplingSpec(8))): ...
+    >>> await lm.generate_to(GenerateRequest("r1", [1, 2, 3], SamplingSpec(8)), address)
 """
 
 from __future__ import annotations
@@ -16,27 +21,21 @@ import asyncio
 import dataclasses
 import logging
 import os
-from collections.abc import AsyncIterator
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from moonserve.pipeline.api.output_wire import ChannelAddress
+from moonserve.pipeline.engine.output_wire import ChannelAddress
 from moonserve.pipeline.config import (
     STRUCTURED_OUTPUTS,
     DraftConfig,
     EngineConfig,
     LanguageModelConfig,
 )
-from moonserve.pipeline.api.protocol import (
-    GenerateRequest,
-    GenerationDelta,
-    ModelInfo,
-    SamplingSpec,
-    TokenLogprob,
-)
-from moonserve.pipeline.engine.output_sender import OutputSenders, send_outputs
+from moonserve.pipeline.api.protocol import GenerateRequest, ModelInfo, SamplingSpec
+from moonserve.pipeline.engine.output_sender import EngineOutputs
 from moonserve.pipeline.models.weights import TOKEN_EMBEDDING_NAMES, find_tensor, read_tensors, tensor_files
 
 logger = logging.getLogger("moonserve.language_model")
@@ -170,21 +169,6 @@ def engine_args(engine: EngineConfig, model_path: str, draft: DraftConfig | None
     )
 
 
-def token_logprobs(token_ids, logprobs, num_top: int | None) -> list[TokenLogprob] | None:
-    """vLLM's per-token {token id: Logprob} maps as `TokenLogprob`s: the sampled token's, and its
-    `num_top` most likely alternatives (vLLM's map holds the top ones plus the sampled one)."""
-    if num_top is None or logprobs is None:
-        return None
-    out = []
-    for token_id, candidates in zip(token_ids, logprobs):
-        sampled = candidates[token_id]
-        top = sorted((c for c in candidates.values() if c.rank is not None and c.rank <= num_top),
-                     key=lambda c: c.rank)
-        out.append(TokenLogprob.of(sampled.decoded_token or "", sampled.logprob,
-                                   ((c.decoded_token or "", c.logprob) for c in top)))
-    return out
-
-
 def load_token_embeddings(model_path: str):
     """The checkpoint's input embedding table [vocab, hidden], read from its safetensors files."""
     files = tensor_files(model_path)
@@ -206,8 +190,8 @@ def sampling_params(spec: SamplingSpec):
     return SamplingParams(
         **fields | {"stop": list(spec.stop), "stop_token_ids": list(spec.stop_token_ids),
                     "structured_outputs": structured},
-        # Deltas, so each chunk carries only new text; vLLM merges deltas the consumer has not
-        # read yet, which batches tokens under load without adding a timer to the stream.
+        # Deltas, so each chunk carries only new text; the Router merges those its reader has
+        # not read yet, which batches tokens under load without adding a timer to the stream.
         output_kind=RequestOutputKind.DELTA,
     )
 
@@ -271,7 +255,8 @@ def start_draft_resolver(draft: DraftConfig, draft_service):
 
 
 class LanguageModel:
-    """One vLLM engine. `generate` streams `GenerationDelta`s; cancelling it aborts the request.
+    """One vLLM engine. `generate_to` runs a request with its outputs going to a Router's output
+    channel; cancelling it aborts the request.
 
     `draft` picks speculative decoding (moonserve.pipeline.config.DraftConfig); with `mode: service`,
     `draft_service` is the DraftService handle the engine's proposer drafts through. `images`:
@@ -289,7 +274,6 @@ class LanguageModel:
 
         self.config = config
         self.load = EngineLoad()
-        self.senders = OutputSenders()  # connections to the Routers' output channels
         self.images = images
         self.image_format = None if images is None else image_format(model_path)
         self.resolver = start_draft_resolver(draft, draft_service) if draft is not None else None
@@ -299,6 +283,10 @@ class LanguageModel:
             # vLLM's own metrics (vllm:* -> ray_vllm_*) through Ray's metrics agent.
             stat_loggers=[load_logger_factory(self.load), RayPrometheusStatLogger],
         )
+        # The engine's outputs go to the Routers, which process them (vLLM's output processor
+        # runs there, once per token): AsyncLLM's own output handler is never started.
+        self.outputs = EngineOutputs(self.engine)
+        self.supported_tasks = None
         model_config = self.engine.model_config
         # Multimodal prompts are built here as embeddings: token rows from this table, image rows
         # from the VisionEncoder.
@@ -308,6 +296,9 @@ class LanguageModel:
             name=config.engine.model_name(),
             max_model_len=model_config.max_model_len,
             vocab_size=model_config.get_vocab_size(),
+            tokenizer=model_config.tokenizer,
+            tokenizer_mode=model_config.tokenizer_mode,
+            trust_remote_code=model_config.trust_remote_code,
         )
 
     def prompt(self, request: GenerateRequest, image_embeds: tuple):
@@ -350,9 +341,12 @@ class LanguageModel:
         ids = collapse_placeholders(request.prompt_token_ids, request.image_placeholder_id)
         return TokensPrompt(prompt_token_ids=ids, **self.image_format.multi_modal(images, keys))
 
-    async def generate(self, request: GenerateRequest,
-                       *image_embeds) -> AsyncIterator[GenerationDelta]:
-        """`image_embeds`: per image, in prompt order, its [num_image_tokens, hidden] array (Ray
+    async def generate_to(self, request: GenerateRequest, address: ChannelAddress,
+                          *image_embeds) -> int:
+        """Run `request` in the engine with what the engine core makes of it each step going to
+        the Router at `address` (`EngineOutputs`: one frame per step for all of that Router's
+        requests); returns the number of output tokens. Cancelling this call aborts the request.
+        `image_embeds`: per image, in prompt order, its [num_image_tokens, hidden] array (Ray
         resolves the router's ObjectRefs, so they come straight from the encoder's output); with
         `vision.handover: encoder_cache`, the decoded PIL image."""
         self.load.num_requests += 1
@@ -360,45 +354,23 @@ class LanguageModel:
         prompt = await asyncio.to_thread(self.prompt, request, image_embeds) if image_embeds \
             else self.prompt(request, image_embeds)
         del image_embeds  # the prompt holds its own copy; let the object store free the arrays
-        num_prompt_tokens = len(request.prompt_token_ids)
-        finished = False
-        try:
-            async for output in self.engine.generate(
-                prompt, sampling_params(request.sampling), request.request_id,
-                priority=request.priority, reasoning_ended=request.reasoning_ended,
-            ):
-                finished = output.finished
-                if output.prompt_token_ids:
-                    # The engine's count: with encoder_cache, vLLM expanded the images itself.
-                    num_prompt_tokens = len(output.prompt_token_ids)
-                # With n > 1, one delta per choice that has news (each carries its index).
-                deltas = [GenerationDelta(
-                    text=completion.text,
-                    num_tokens=len(completion.token_ids),
-                    num_prompt_tokens=num_prompt_tokens,
-                    finish_reason=completion.finish_reason,
-                    logprobs=token_logprobs(completion.token_ids, completion.logprobs,
-                                            request.sampling.logprobs),
-                    index=completion.index,
-                    token_ids=list(completion.token_ids),
-                ) for completion in output.outputs]
-                if finished:
-                    deltas = deltas or [GenerationDelta("", 0, num_prompt_tokens)]
-                    deltas[-1].finished = True
-                for delta in deltas:
-                    yield delta
-        finally:
-            if not finished:
-                # The caller went away (client disconnect, cancel) or the engine failed.
-                await asyncio.shield(self.engine.abort(request.request_id))
+        core_request = await self.engine_request(request, prompt)
+        connection = await self.outputs.connections.get(address)
+        return await self.outputs.run(core_request, connection)
 
-    async def generate_to(self, request: GenerateRequest, address: ChannelAddress,
-                          *image_embeds) -> int:
-        """`generate`, with the deltas sent over the output channel of the Router at `address`
-        (batched per engine step across that Router's requests) instead of returned; returns the
-        number of output tokens. Cancelling this call aborts the request, as for `generate`."""
-        return await send_outputs(self.senders, address, request.request_id,
-                                  self.generate(request, *image_embeds))
+    async def engine_request(self, request: GenerateRequest, prompt):
+        """vLLM's EngineCoreRequest for `prompt`, made by the engine's own input processor (as
+        `AsyncLLM.add_request` makes it), with the request's id, priority and reasoning state."""
+        processor = self.engine.input_processor
+        if self.supported_tasks is None:
+            self.supported_tasks = await self.engine.get_supported_tasks()
+        core_request = await processor.process_inputs_async(
+            request.request_id, prompt, sampling_params(request.sampling), self.supported_tasks,
+            arrival_time=time.time(), priority=request.priority)
+        if request.reasoning_ended is not None:
+            core_request.reasoning_ended = request.reasoning_ended
+        processor.assign_request_id(core_request)
+        return core_request
 
     async def model_info(self) -> ModelInfo:
         return self.info
@@ -411,7 +383,7 @@ class LanguageModel:
 
     async def stats(self) -> dict:
         return {
-            "num_unfinished_requests": self.engine.get_num_unfinished_requests(),
+            "num_unfinished_requests": len(self.outputs.routes),
             "num_running": self.load.num_running,
             "num_waiting": self.load.num_waiting,
             "num_drafts": self.load.num_drafts,
@@ -425,12 +397,14 @@ class LanguageModel:
 
     async def check_health(self) -> None:
         """Raises when the engine is dead; Serve then replaces this replica."""
+        if self.outputs.error is not None:
+            raise self.outputs.error
         await self.engine.check_health()
 
     def __del__(self):
-        senders = getattr(self, "senders", None)
-        if senders is not None:
-            senders.close()
+        outputs = getattr(self, "outputs", None)
+        if outputs is not None:
+            outputs.close()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

@@ -101,8 +101,8 @@ class Router:
             SharedLanes(config.lanes, admission, observer=self.metrics)
         self.hint_header = config.lanes.hint_header
         self.template_tokens = template_tokens(self.prompts)
-        self.receiver = None if config.outputs.transport == "stream" else \
-            OutputReceiver(config.outputs.host or node_ip_address())
+        self.output_host = config.outputs.host
+        self.receiver: OutputReceiver | None = None  # made with the engine's tokenizer, once
         self._info: ModelInfo | None = None
 
     def __serve_build_asgi_app__(self) -> FastAPI:
@@ -376,52 +376,46 @@ class Router:
         yield encoder.closing()
 
     async def deltas(self, request: GenerateRequest, trace: RequestTrace, image_embeds: list):
-        """Stream from the LM; cancelling this (client disconnect) cancels the LM request.
-        `image_embeds` are ObjectRefs, passed at the top level so Ray hands the LM the arrays
-        straight from the object store."""
-        source = self.stream_deltas if self.receiver is None else self.channel_deltas
-        try:
-            async for delta in source(request, image_embeds):
-                trace.delta(delta.num_tokens)
-                if delta.finish_reason == "error":
-                    raise engine_error(request.request_id, delta.index)
-                yield delta
-        except Exception as exc:
-            trace.failed = True
-            raise lm_failure(exc, request.request_id) from exc
-
-    async def channel_deltas(self, request: GenerateRequest, image_embeds: list):
-        """`router.outputs.transport: channel`: the request's deltas arrive on this replica's
-        output channel, merged per step; its Serve call carries cancellation and errors."""
-        address = await self.receiver.start()
-        outputs = self.receiver.open(request.request_id)
+        """The request's deltas: vLLM's engine core outputs arrive on this replica's output
+        channel, merged per step, and are processed here (`OutputReceiver`); its Serve call to
+        the LanguageModel carries cancellation and errors. Cancelling this (client disconnect)
+        cancels that call, which aborts the engine request. `image_embeds` are ObjectRefs, passed
+        at the top level so Ray hands the LM the arrays straight from the object store."""
+        receiver = await self.output_receiver()
+        address = await receiver.start()
+        outputs = receiver.open(request.request_id, request.sampling.logprobs)
         call = self.lm.generate_to.remote(request, address, *image_embeds)
         watch_call(call, outputs)
         finished = False
         try:
             while (deltas := await outputs.next()) is not None:
                 for delta in deltas:
+                    trace.delta(delta.num_tokens)
+                    if delta.finish_reason == "error":
+                        raise engine_error(request.request_id, delta.index)
                     yield delta
             finished = True
+        except Exception as exc:
+            trace.failed = True
+            raise lm_failure(exc, request.request_id) from exc
         finally:
-            self.receiver.close(request.request_id)
+            receiver.close(request.request_id)
             if not finished:
-                # Reaches the replica as CancelledError; LanguageModel.generate aborts the request.
+                # Reaches the replica as CancelledError; LanguageModel.generate_to aborts it.
                 call.cancel()
 
-    async def stream_deltas(self, request: GenerateRequest, image_embeds: list):
-        """`router.outputs.transport: stream`: a Serve streaming call, one item per delta."""
-        stream = self.lm.options(stream=True).generate.remote(request, *image_embeds)
-        exhausted = False
-        try:
-            async for delta in stream:
-                yield delta
-            exhausted = True
-        finally:
-            if not exhausted:
-                # Stopping iteration does not cancel a Serve stream; this reaches the replica as
-                # CancelledError, and LanguageModel.generate aborts the engine request.
-                stream.cancel()
+    async def output_receiver(self) -> OutputReceiver:
+        """This replica's output channel, detokenizing with the engine's own tokenizer."""
+        if self.receiver is None:
+            info = await self.model_info()
+            from vllm.tokenizers import get_tokenizer
+
+            tokenizer = await asyncio.to_thread(
+                get_tokenizer, info.tokenizer, tokenizer_mode=info.tokenizer_mode,
+                trust_remote_code=info.trust_remote_code)
+            if self.receiver is None:
+                self.receiver = OutputReceiver(self.output_host or node_ip_address(), tokenizer)
+        return self.receiver
 
 
 def engine_error(request_id: str, index: int) -> APIError:

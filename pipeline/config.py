@@ -749,18 +749,13 @@ class DraftConfig(StrictModel):
 
 
 class OutputsConfig(StrictModel):
-    """How generated tokens travel from the LanguageModel to the Router.
-
-    `channel`: one TCP connection per (LanguageModel replica, Router replica) pair carries each
-    engine step's deltas for all of that Router's requests in one frame; each request's own Serve
-    call carries its cancellation and errors (`moonserve.pipeline.api.output_wire`). `stream`: a
-    Serve streaming call per request, one Ray item per delta (`moonserve bench overhead` compares
-    them).
+    """How generated tokens travel from the LanguageModel to the Router: one TCP connection per
+    (LanguageModel replica, Router replica) pair carries what vLLM's engine core produced in each
+    step for all of that Router's requests in one frame, and the Router is vLLM's frontend for
+    them (detokenizing, stop strings, logprobs); each request's own Serve call carries its
+    cancellation and errors (`moonserve.pipeline.engine.output_wire`).
     """
 
-    transport: Literal["channel", "stream"] = Field("channel", description=(
-        "`channel`: one TCP connection per LanguageModel and Router replica pair, a frame per "
-        "engine step (both shipped configs); `stream`: a Serve streaming call per request."))
     host: str | None = Field(None, description=(
         "The address the Router listens on for its channel (a random port, guarded by a "
         "token); null: this node's IP, as Ray knows it."))
@@ -831,7 +826,7 @@ class AppConfig(StrictModel):
 
     router: RouterConfig = Field(RouterConfig(), description=(
         "The Router deployment, the HTTP ingress with the OpenAI API: auth, limits, lanes, rate "
-        "limits, token transport and ingress."))
+        "limits, the output channel and ingress."))
     language_model: LanguageModelConfig = Field(LanguageModelConfig(), description=(
         "The LanguageModel deployment: one vLLM engine per replica, its chat format, placement "
         "and routing."))

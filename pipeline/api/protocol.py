@@ -574,13 +574,13 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
 
 
 class GenerationDelta(msgspec.Struct, array_like=True):
-    """LanguageModel -> Router: the text and tokens produced since the previous delta.
+    """One choice's text and tokens since its previous delta, as the Router's output processing
+    makes them of the engine's outputs (`moonserve.pipeline.router.output_receiver`).
 
-    When the router reads slower than the engine produces, deltas are merged (`merge_deltas`), so
-    one delta may carry several tokens; `num_tokens` says how many. `logprobs` has one entry per
-    token when the request asked for them. `index` is the choice (n > 1); `finished` marks the
-    request's last delta (every choice done). A msgspec struct: the output channel sends a step's
-    deltas as one msgpack frame (`moonserve.pipeline.api.output_wire`).
+    When the response is written slower than the engine produces, deltas are merged
+    (`merge_deltas`), so one delta may carry several tokens; `num_tokens` says how many.
+    `logprobs` has one entry per token when the request asked for them. `index` is the choice
+    (n > 1); `finished` marks the request's last delta (every choice done).
     """
 
     text: str
@@ -625,6 +625,10 @@ class ModelInfo:
     name: str
     max_model_len: int
     vocab_size: int
+    # vLLM's tokenizer settings of the engine (the Router detokenizes with the same tokenizer).
+    tokenizer: str = ""
+    tokenizer_mode: str = "auto"
+    trust_remote_code: bool = False
 
 
 def sampling_spec(request: SamplingFields, max_tokens: int,

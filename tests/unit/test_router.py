@@ -4,18 +4,20 @@ client disconnects.
 The real `Router` class (no Serve) with the embedded model's real tokenizer serves its real FastAPI
 app through uvicorn on 127.0.0.1, and httpx talks to it over TCP, so a client that hangs up is a
 real disconnect. Only the other deployments are fakes, because no engine may start here:
-`FakeLanguageModel` (scripted deltas; records its requests and, like the real one, which requests
-it aborted) and the image fakes, each behind `FakeDeploymentHandle`, which has the parts of a Serve
-handle the Router uses (`.method.remote()`, `.options(stream=True)`, `.cancel()`,
-`_to_object_ref()`), runs each call as its own task like a replica, and raises what Ray raises:
-a replica's exception as `RayTaskError(<its type>)`, a dead replica's as `ActorDiedError`.
-The Router runs with each output transport: `stream` (the fake's `generate` through the handle)
-and `channel` (the fake's `generate_to` sends through the real output channel on 127.0.0.1).
+`FakeLanguageModel` is the real replica's output side (`EngineOutputs`, the real output channel on
+127.0.0.1) over a fake engine core that produces scripted text pieces as token ids (so the Router
+detokenizes them with vLLM's OutputProcessor, as it does the real engine's), records its requests
+and, like the real one, which requests it aborted; the image fakes likewise. Each sits behind
+`FakeDeploymentHandle`, which has the parts of a Serve handle the Router uses
+(`.method.remote()`, `.cancel()`, `_to_object_ref()`), runs each call as its own task like a
+replica, and raises what Ray raises: a replica's exception as `RayTaskError(<its type>)`, a dead
+replica's as `ActorDiedError`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -29,7 +31,6 @@ from ray.exceptions import ActorDiedError, RayError, RayTaskError
 
 from moonserve.deployments.router import Router
 from moonserve.pipeline.api.protocol import GenerateRequest, GenerationDelta, ImageInfo, ModelInfo
-from moonserve.pipeline.engine.output_sender import OutputSenders, send_outputs
 from moonserve.pipeline.config import (
     LaneLimits,
     LanesConfig,
@@ -39,12 +40,26 @@ from moonserve.pipeline.config import (
 )
 from moonserve.pipeline.vision.errors import ImageError
 from tests.conftest import MODEL
+from tests.fake_engine import engine_request, fake_engine
 
 pytestmark = pytest.mark.timeout(120)
 
 USER = [{"role": "user", "content": "hi"}]
-DELTAS = [GenerationDelta("Hello", 1, 9), GenerationDelta(" there", 1, 9),
-          GenerationDelta("!", 1, 9, finish_reason="stop")]
+PIECES = ["Hello", " there", "!"]  # one engine step each
+
+
+@functools.cache
+def embedded_model_path() -> str:
+    from moonserve.pipeline.prepare.language_model import prepare_language_model
+
+    return str(prepare_language_model(progress=False))
+
+
+@functools.cache
+def embedded_tokenizer():
+    from vllm.tokenizers import get_tokenizer
+
+    return get_tokenizer(embedded_model_path())
 IMAGE_TOKENS = 4  # per image, from FakeImagePreprocessor
 PNG_URL = "data:image/png;base64,iVBORw0KGgo="
 
@@ -60,17 +75,25 @@ def image_chat(*urls: str) -> dict:
 
 
 class FakeLanguageModel:
-    """The LanguageModel methods the Router calls, with `deltas` instead of a vLLM engine.
+    """The LanguageModel methods the Router calls: the real replica's output side
+    (`EngineOutputs` and the output channel) over a fake engine core that produces `pieces`
+    (one engine step each, as token ids of the embedded model's tokenizer; the last with
+    `finish_reason`).
 
-    `generate` yields `deltas`, raising `fail_at_delta`'s exception at that index, and waits on
-    `gate` before each delta once `hold_after` deltas are out. Like the real replica, a generate
-    that ends before its last delta (cancelled, failed) records its request_id in `aborted`.
+    The call fails with `fail_at_step`'s exception once that many steps are out, and the engine
+    waits on `gate` before each step once `hold_after` steps are out. Like the real replica, a
+    call that ends before its last step (cancelled, failed) records its request_id in `aborted`.
     """
 
-    def __init__(self, deltas: list[GenerationDelta] = DELTAS):
-        self.info = ModelInfo(name=MODEL, max_model_len=2048, vocab_size=49152)
-        self.deltas = deltas
-        self.fail_at_delta: tuple[int, BaseException] | None = None
+    def __init__(self, pieces: list[str] = PIECES, finish_reason: str = "stop"):
+        from moonserve.pipeline.engine.output_sender import EngineOutputs
+
+        self.info = ModelInfo(name=MODEL, max_model_len=2048, vocab_size=49152,
+                              tokenizer=embedded_model_path())
+        self.pieces = pieces
+        self.engine = fake_engine(self.script, finish_reason)
+        self.outputs = EngineOutputs(self.engine)
+        self.fail_at_step: tuple[int, BaseException] | None = None
         self.hold_after: int | None = None
         self.gate = asyncio.Event()
         self.health_error: BaseException | None = None
@@ -78,35 +101,36 @@ class FakeLanguageModel:
         self.image_embeds: list[tuple] = []
         self.started = asyncio.Event()
         self.aborted: list[str] = []
-        self.senders = OutputSenders()
 
-    async def generate(self, request: GenerateRequest,
-                       *image_embeds) -> AsyncIterator[GenerationDelta]:
+    def script(self, core_request) -> list[list[int]]:
+        tokenizer = embedded_tokenizer()
+        return [tokenizer.encode(piece, add_special_tokens=False) for piece in self.pieces]
+
+    async def generate_to(self, request: GenerateRequest, address, *image_embeds) -> int:
+        """The real replica's channel path (`EngineOutputs.run`) over the fake engine core."""
+        from moonserve.deployments.language_model import sampling_params
+
         self.requests.append(request)
         self.image_embeds.append(image_embeds)
         self.started.set()
+        core = self.engine.engine_core
+        core.hold_after, core.gate = self.hold_after, self.gate
+        core.fail_at = self.fail_at_step
+        core_request = engine_request(request.request_id, request.prompt_token_ids,
+                                      sampling_params(request.sampling))
+        connection = await self.outputs.connections.get(address)
+        run = asyncio.ensure_future(self.outputs.run(core_request, connection))
         finished = False
         try:
-            for k, delta in enumerate(self.deltas):
-                await self.wait_turn(k)
-                # Like the real one, the last delta says the request is finished.
-                yield msgspec.structs.replace(delta, finished=k == len(self.deltas) - 1)
+            done, _ = await asyncio.wait({run, core.failure}, return_when=asyncio.FIRST_COMPLETED)
+            if run not in done:
+                raise core.failure.result()
             finished = True
+            return run.result()
         finally:
             if not finished:
+                run.cancel()
                 self.aborted.append(request.request_id)
-
-    async def generate_to(self, request: GenerateRequest, address, *image_embeds) -> int:
-        """The real replica's channel path (`send_outputs`) over the scripted deltas."""
-        return await send_outputs(self.senders, address, request.request_id,
-                                  self.generate(request, *image_embeds))
-
-    async def wait_turn(self, k: int) -> None:
-        if self.fail_at_delta is not None and self.fail_at_delta[0] == k:
-            raise self.fail_at_delta[1]
-        if self.hold_after is not None and k >= self.hold_after:
-            await self.gate.wait()
-        await asyncio.sleep(0)
 
     async def model_info(self) -> ModelInfo:
         return self.info
@@ -197,51 +221,12 @@ class FakeResponse:
         self.ref.task.cancel()
 
 
-class FakeResponseGenerator:
-    """A streaming DeploymentResponseGenerator: the replica's generator runs in its own task and
-    hands its items over a queue; `cancel()` cancels that task (CancelledError in the replica)."""
-
-    def __init__(self, generator: AsyncIterator):
-        self.items: asyncio.Queue = asyncio.Queue()
-        self.task = asyncio.ensure_future(self.run(generator))
-        self.cancelled = False
-
-    async def run(self, generator: AsyncIterator) -> None:
-        try:
-            async for item in generator:
-                await self.items.put(("item", item))
-            await self.items.put(("end", None))
-        except Exception as exc:
-            await self.items.put(("error", as_ray_raises(exc)))
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        kind, value = await self.items.get()
-        if kind == "end":
-            raise StopAsyncIteration
-        if kind == "error":
-            raise value
-        return value
-
-    def cancel(self) -> None:
-        self.cancelled = True
-        self.task.cancel()
-
-
 class FakeDeploymentHandle:
     """The parts of a Serve DeploymentHandle the Router uses, over a plain replica object."""
 
-    def __init__(self, replica, stream: bool = False):
+    def __init__(self, replica):
         self.replica = replica
-        self.stream = stream
-        self.calls: list[FakeResponse | FakeResponseGenerator] = []
-
-    def options(self, stream: bool = False) -> FakeDeploymentHandle:
-        handle = FakeDeploymentHandle(self.replica, stream)
-        handle.calls = self.calls
-        return handle
+        self.calls: list[FakeResponse] = []
 
     def __getattr__(self, name: str):
         method = getattr(self.replica, name)
@@ -255,8 +240,7 @@ class FakeMethod:
 
     def remote(self, *args):
         args = resolve_refs(args)
-        call = FakeResponseGenerator(self.method(*args)) if self.handle.stream \
-            else FakeResponse(self.method(*args))
+        call = FakeResponse(self.method(*args))
         call.method_name = self.method.__name__
         self.handle.calls.append(call)
         return call
@@ -313,10 +297,10 @@ async def serving(router: Router) -> AsyncIterator[httpx.AsyncClient]:
         await task
 
 
-@pytest.fixture(params=["channel", "stream"])
-def router_config(request) -> RouterConfig:
-    """The default config, with each output transport (the channel on 127.0.0.1)."""
-    return RouterConfig(outputs=OutputsConfig(transport=request.param, host="127.0.0.1"))
+@pytest.fixture
+def router_config() -> RouterConfig:
+    """The default config, with the output channel on 127.0.0.1."""
+    return RouterConfig(outputs=OutputsConfig(host="127.0.0.1"))
 
 
 @pytest.fixture
@@ -412,7 +396,7 @@ async def test_completion_returns_the_lm_text_and_usage(text_client, lm):
     body = r.json()
     assert body["choices"][0]["text"] == "Hello there!"
     assert body["choices"][0]["finish_reason"] == "stop"
-    assert body["usage"]["completion_tokens"] == 3
+    assert body["usage"]["completion_tokens"] == 4  # the end-of-sequence token counts
     (request,) = lm.requests
     assert request.sampling.max_tokens == 5 and request.sampling.temperature == 0
     assert request.priority == 0  # the interactive lane
@@ -428,11 +412,11 @@ async def test_streaming_chat_is_sse_ending_in_done(text_client):
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == "Hello there!"
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
-    assert usage["usage"]["completion_tokens"] == 3 and usage["choices"] == []
+    assert usage["usage"]["completion_tokens"] == 4 and usage["choices"] == []
 
 
 async def test_lm_failure_mid_stream_is_an_error_event_then_done(text_client, lm):
-    lm.fail_at_delta = (2, RuntimeError("engine core died"))
+    lm.fail_at_step = (2, RuntimeError("engine core died"))
     r = await text_client.post("/v1/chat/completions", json=chat(stream=True))
     assert r.status_code == 200  # headers went out with the first delta
     *chunks, error, done = sse_events(r.text)
@@ -448,8 +432,7 @@ async def test_a_choice_the_engine_ended_with_an_error_is_never_a_200_choice(mod
                                                                           router_config):
     """vLLM's FinishReason.ERROR (its scheduler ends a request whose grammar refused a token):
     a 500 for a whole answer, an error event after the tokens before it for a stream."""
-    lm = FakeLanguageModel([GenerationDelta("{", 1, 9),
-                            GenerationDelta('"a', 1, 9, finish_reason="error")])
+    lm = FakeLanguageModel(["{", '"a'], finish_reason="error")
     async with serving(Router(router_config, FakeDeploymentHandle(lm), model_path)) as client:
         r = await client.post("/v1/chat/completions", json=chat(stream=stream))
     if not stream or r.status_code == 500:  # a stream whose deltas arrived merged: no headers yet
@@ -471,7 +454,7 @@ async def test_lost_output_channel_mid_stream_is_a_503_event_and_cancels_the_cal
             async for line in r.aiter_lines():
                 lines.append(line)
                 if '"Hello"' in line:
-                    lm.senders.close()
+                    lm.outputs.connections.close()
     *_, error, done = [line.removeprefix("data: ") for line in lines if line]
     assert done == "[DONE]"
     assert json.loads(error)["error"]["code"] == "replica_unavailable"
@@ -486,7 +469,7 @@ async def test_lost_output_channel_mid_stream_is_a_503_event_and_cancels_the_cal
 ])
 async def test_lm_failure_before_the_first_delta_is_an_http_status(text_client, lm, failure,
                                                                    status, code, retry_after):
-    lm.fail_at_delta = (0, failure)
+    lm.fail_at_step = (0, failure)
     r = await text_client.post("/v1/chat/completions", json=chat(stream=True))
     assert_error(r, status, None, code)
     assert r.headers.get("retry-after") == retry_after
@@ -673,10 +656,10 @@ async def test_an_unhandled_error_is_an_openai_500_naming_the_request_logged_onc
 
 def test_engine_logprobs_are_floored_as_vllm_floors_them():
     """A token a grammar masks has logprob -inf in vLLM's map (and NaN must not pass either):
-    every logprob the LanguageModel hands on is a finite number, floored at vLLM's -9999.0."""
+    every logprob the Router hands on is a finite number, floored at vLLM's -9999.0."""
     from vllm.logprobs import Logprob
 
-    from moonserve.deployments.language_model import token_logprobs
+    from moonserve.pipeline.router.output_receiver import token_logprobs
     from moonserve.pipeline.api.protocol import MIN_LOGPROB
 
     candidates = {5: Logprob(-0.25, rank=1, decoded_token="a"),
