@@ -356,6 +356,7 @@ class Router:
         return completion
 
     async def stream(self, first, deltas, encoder: StreamEncoder):
+        failed = False
         try:
             yield encoder.opening()
             if first is not None and (chunk := encoder.encode(first)):
@@ -365,15 +366,19 @@ class Router:
                     yield chunk
         except APIError as exc:
             # Headers are gone; OpenAI clients read an `error` event in the stream.
+            failed = True
             yield sse(exc.body())
         except Exception as exc:  # a bug past the headers still ends the stream as a client reads it
+            failed = True
             logger.exception("request %s: the stream failed", encoder.fmt.request_id)
             yield sse(APIError(500, f"the stream failed ({type(exc).__name__}); request "
                                f"{encoder.fmt.request_id}",
                                type="internal_error", code="stream_failed").body())
         finally:
             await deltas.aclose()
-        yield encoder.closing()
+        # An error event is the stream's last before [DONE] (as vLLM's server ends it): no usage
+        # chunk after it, which an OpenAI client, having raised at the error, never reads.
+        yield encoder.closing(with_usage=not failed)
 
     async def deltas(self, request: GenerateRequest, trace: RequestTrace, image_embeds: list):
         """The request's deltas: vLLM's engine core outputs arrive on this replica's output

@@ -162,6 +162,8 @@ class StreamEncoder:
         return sse(self.fmt.chunk(delta.index, body or {}, finish,
                                   logprobs=self.fmt.logprobs(delta.logprobs, offset)))
 
-    def closing(self) -> bytes:
-        usage = sse(self.fmt.usage_chunk(self.completion.usage)) if self.include_usage else b""
-        return usage + DONE
+    def closing(self, with_usage: bool = True) -> bytes:
+        """The usage chunk (when the request asked for it and `with_usage`), then [DONE]."""
+        if not (self.include_usage and with_usage):
+            return DONE
+        return sse(self.fmt.usage_chunk(self.completion.usage)) + DONE

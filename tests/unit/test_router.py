@@ -417,8 +417,10 @@ async def test_streaming_chat_is_sse_ending_in_done(text_client):
 
 async def test_lm_failure_mid_stream_is_an_error_event_then_done(text_client, lm):
     lm.fail_at_step = (2, RuntimeError("engine core died"))
-    r = await text_client.post("/v1/chat/completions", json=chat(stream=True))
+    r = await text_client.post("/v1/chat/completions",
+                               json=chat(stream=True, stream_options={"include_usage": True}))
     assert r.status_code == 200  # headers went out with the first delta
+    # The error is the last event before [DONE], as vLLM's server ends a stream: no usage after.
     *chunks, error, done = sse_events(r.text)
     assert done == "[DONE]"
     assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == "Hello there"
