@@ -19,6 +19,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
+from moonserve.pipeline.api.background import in_background
 from moonserve.pipeline.engine.output_wire import (
     ABORT,
     OUTPUTS,
@@ -229,7 +230,8 @@ class EngineOutputs:
             self.count_finished(route, request_id, FinishReason.STOP, stats)
             self.end(route, request_id)
         self.record(0, None, stats)
-        asyncio.ensure_future(self.engine.engine_core.abort_requests_async(live))
+        in_background(self.engine.engine_core.abort_requests_async(live),
+                      "aborting requests a stop string ended")
 
     def connection_gone(self, connection: RouterConnection) -> None:
         """The Router is gone (or closed the connection): its requests end with an error, so
