@@ -103,6 +103,7 @@ class Router:
         self.template_tokens = template_tokens(self.prompts)
         self.output_host = config.outputs.host
         self.receiver: OutputReceiver | None = None  # made with the engine's tokenizer, once
+        self.making_receiver: asyncio.Future | None = None
         self._info: ModelInfo | None = None
 
     def __serve_build_asgi_app__(self) -> FastAPI:
@@ -410,17 +411,27 @@ class Router:
                 call.cancel()
 
     async def output_receiver(self) -> OutputReceiver:
-        """This replica's output channel, detokenizing with the engine's own tokenizer."""
+        """This replica's output channel, detokenizing with the engine's own tokenizer: made by
+        the first request, which the requests arriving meanwhile wait for (one tokenizer load,
+        not one per request of a first burst)."""
         if self.receiver is None:
-            info = await self.model_info()
-            from vllm.tokenizers import get_tokenizer
-
-            tokenizer = await asyncio.to_thread(
-                get_tokenizer, info.tokenizer, tokenizer_mode=info.tokenizer_mode,
-                trust_remote_code=info.trust_remote_code)
-            if self.receiver is None:
-                self.receiver = OutputReceiver(self.output_host or node_ip_address(), tokenizer)
+            if self.making_receiver is None:
+                self.making_receiver = asyncio.ensure_future(self.make_output_receiver())
+            try:
+                self.receiver = await asyncio.shield(self.making_receiver)
+            except Exception:
+                self.making_receiver = None  # the next request tries again
+                raise
         return self.receiver
+
+    async def make_output_receiver(self) -> OutputReceiver:
+        from vllm.tokenizers import get_tokenizer
+
+        info = await self.model_info()
+        tokenizer = await asyncio.to_thread(
+            get_tokenizer, info.tokenizer, tokenizer_mode=info.tokenizer_mode,
+            trust_remote_code=info.trust_remote_code)
+        return OutputReceiver(self.output_host or node_ip_address(), tokenizer)
 
 
 def engine_error(request_id: str, index: int) -> APIError:

@@ -415,6 +415,26 @@ async def test_streaming_chat_is_sse_ending_in_done(text_client):
     assert usage["usage"]["completion_tokens"] == 4 and usage["choices"] == []
 
 
+async def test_a_first_burst_loads_the_engines_tokenizer_once(model_path, lm_handle,
+                                                              router_config, monkeypatch):
+    import vllm.tokenizers
+
+    embedded_tokenizer()  # the fake LanguageModel's own, loaded before the count starts
+    loads = []
+    load = vllm.tokenizers.get_tokenizer
+
+    def counting_load(*args, **kwargs):
+        loads.append(args)
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(vllm.tokenizers, "get_tokenizer", counting_load)
+    async with serving(Router(router_config, lm_handle, model_path)) as client:
+        replies = await asyncio.gather(*(client.post("/v1/chat/completions", json=chat(
+            stream=stream)) for stream in [True, False] * 4))
+    assert [r.status_code for r in replies] == [200] * 8
+    assert len(loads) == 1
+
+
 async def test_lm_failure_mid_stream_is_an_error_event_then_done(text_client, lm):
     lm.fail_at_step = (2, RuntimeError("engine core died"))
     r = await text_client.post("/v1/chat/completions",
