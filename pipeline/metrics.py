@@ -97,11 +97,21 @@ def make_metric(name: str):
                              boundaries=list(spec.boundaries))
 
 
+# Completion tokens are counted per lane in the replica and added to the Ray counter at most this
+# often (and when a request ends): one Ray call for many tokens, where Ray exports every few
+# seconds anyway. Measured before: the per-token `inc` was about a ninth of a Router's event loop
+# at 64 streams (py-spy, tiny engine).
+TOKEN_COUNT_PERIOD_S = 1.0
+
+
 class RouterMetrics:
     """The Router's metrics; also the `LaneObserver` of its lanes."""
 
-    def __init__(self):
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.m = {name: make_metric(name) for name in METRICS}
+        self.clock = clock
+        self.unsent_tokens: dict[str, int] = {}  # lane -> completion tokens not yet in the counter
+        self.tokens_sent_at = clock()
 
     def lane_depth(self, lane: str, queued: int, in_flight: int) -> None:
         self.m["moonserve_lane_queue_depth"].set(queued, tags={"lane": lane})
@@ -120,14 +130,24 @@ class RouterMetrics:
         """`num_tokens` arrived in one delta `gap_s` after the previous one (None: the first)."""
         if num_tokens <= 0:
             return
-        self.m["moonserve_completion_tokens"].inc(num_tokens, tags={"lane": lane})
+        self.unsent_tokens[lane] = self.unsent_tokens.get(lane, 0) + num_tokens
+        if self.clock() - self.tokens_sent_at >= TOKEN_COUNT_PERIOD_S:
+            self.send_tokens()
         if gap_s is not None:
             # A delta can carry several tokens (vLLM merges unread deltas): spread the gap.
             itl = self.m["moonserve_inter_token_latency_seconds"]
             for _ in range(num_tokens):
                 itl.observe(gap_s / num_tokens, tags={"lane": lane})
 
+    def send_tokens(self) -> None:
+        """The completion tokens counted since the last call, into the Ray counter."""
+        unsent, self.unsent_tokens = self.unsent_tokens, {}
+        self.tokens_sent_at = self.clock()
+        for lane, num_tokens in unsent.items():
+            self.m["moonserve_completion_tokens"].inc(num_tokens, tags={"lane": lane})
+
     def finished(self, lane: str, seconds: float, ok: bool) -> None:
+        self.send_tokens()
         self.m["moonserve_request_latency_seconds"].observe(
             seconds, tags={"lane": lane, "status": "ok" if ok else "error"})
 
