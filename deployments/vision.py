@@ -70,7 +70,11 @@ class VisionEncoder:
                                      lambda: self.encode_and_cache(info))
 
     async def encode_and_cache(self, info: ImageInfo) -> np.ndarray:
-        embeddings = await self.encode_batch((await info.pixel_values, info.grid_thw))
+        # A copy, not the zero-copy view of the preprocessor's object: Serve's batch loop keeps
+        # its last batch's arguments until the next batch, and a view would pin that object in
+        # the object store as long (`moonserve bench soak` found it).
+        pixels = np.array(await info.pixel_values)
+        embeddings = await self.encode_batch((pixels, info.grid_thw))
         self.cache.put(info.content_hash, embeddings)
         return embeddings
 
@@ -88,7 +92,7 @@ class VisionEncoder:
         import torch
 
         param = next(self.model.parameters())
-        pixel_values = torch.cat([torch.from_numpy(np.array(p)) for p, _ in items])  # [total, 3, 14, 14]
+        pixel_values = torch.cat([torch.from_numpy(p) for p, _ in items])  # [total, 3, 14, 14]
         grid_thw = [list(g) for _, g in items]
         with torch.inference_mode():
             outputs = self.model(pixel_values.to(param.device, param.dtype), grid_thw)
