@@ -3,7 +3,7 @@ length, and inputs that must never produce a 5xx: broken and odd images (made wi
 malformed request bodies.
 
 Example:
-    >>> for name, (url, expect) in image_corpus().items(): ...   # expect: "400" or "ok"
+    >>> for name, url in broken_images().items(): ...   # each must be a 400 naming the part
 """
 
 from __future__ import annotations
@@ -91,7 +91,9 @@ def bad_bodies(model: str) -> list[tuple[str, bytes]]:
         "temperature out of range": chat(temperature=7),
         "huge number": chat(max_tokens=10**40),
         "unknown role": {"model": model, "messages": [{"role": "wizard", "content": "hi"}]},
-        "tools": chat(tools=[{"type": "function", "function": {"name": "f"}}]),
+        # (A function without `parameters` is valid: OpenAI reads it as no parameters.)
+        "tool without a name": chat(tools=[{"type": "function",
+                                            "function": {"description": "no name"}}]),
         "empty messages": {"model": model, "messages": []},
         "image part without url": {"model": model, "messages": [
             {"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},

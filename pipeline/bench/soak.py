@@ -2,13 +2,13 @@
 
 Starts `moonserve serve` on `--config` and runs `--concurrency` closed-loop clients for
 `--duration-s` (default 20 minutes). Each client draws its next request from a fixed mix (KINDS):
-whole and streamed chat, an image (a PNG made with Pillow, its size and colour drawn), a forced tool
-call, a stream the client hangs up on after its first token, a long prompt (the long-context lane),
-and a bad request (a malformed body or a broken image, pipeline/bench/corpus.py). Every
-`--sample-s` it records each server process's RSS (psutil, the whole process tree: Ray's daemons,
-the replicas, vLLM's engine cores) and the bytes in Ray's object store (the node's
-`ray_object_store_memory` metric). After the load, the
-object store is polled until it is back to its level before the load (`--settle-s` at most).
+whole and streamed chat, an image (a PNG made with Pillow: from a pool of IMAGE_POOL, or a small
+new one), a forced tool call, a stream the client hangs up on after its first token, a long prompt
+(the long-context lane), and a bad request (a malformed body or a broken image,
+pipeline/bench/corpus.py). Every `--sample-s` it records each server process's RSS (psutil, the
+whole process tree: Ray's daemons, the replicas, vLLM's engine cores) and the bytes in Ray's object
+store (the node's `ray_object_store_memory` metric). After the load, the object store is polled
+until it is back to its level before the load (`--settle-s` at most).
 
 Goals (exit status 1 when one fails):
 - after `--warmup-s`, no process's RSS grows more than 10% (its sample at the end of the warm-up
@@ -46,6 +46,10 @@ STORE_LOCATIONS = ("MMAP_SHM", "MMAP_DISK", "SPILLED")  # not WORKER_HEAP: in-pr
 STORE_REPORT_S = 2 * 10.0  # two of the raylet's metric reports (Ray's metrics_report_interval_ms)
 # The mix: kind -> weight. "long" prompts pass the default long_context_threshold_tokens (1024).
 KINDS = {"chat": 3, "stream": 4, "image": 2, "tool": 2, "cancel": 2, "long": 1, "bad": 2}
+# Half the images come from a pool (up to 640 px a side), half are small ones never seen before:
+# the VisionEncoder's embedding cache (bounded by vision.encoder.cache_bytes) holds the pool
+# after the warm-up, so its growth toward that bound is not read as a leak, and misses still come.
+IMAGE_POOL = 32
 LONG_PROMPT_TOKENS = 1500
 MAX_TOKENS = 16
 TOOL_MAX_TOKENS = 64  # room for the whole call: a cut one is a 200 without tool_calls
@@ -53,6 +57,11 @@ TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                    "required": ["city"]}}}
+
+
+def png_url(rng: random.Random, width: int, height: int) -> str:
+    colour = tuple(rng.randrange(256) for _ in range(3))
+    return data_url(encode(Image.new("RGB", (width, height), colour), "PNG"))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -107,6 +116,8 @@ class Mix:
     def __init__(self, model: str, seed: int):
         self.model = model
         self.rng = random.Random(seed)
+        self.pool = [png_url(self.rng, self.rng.randrange(32, 640), self.rng.randrange(32, 640))
+                     for _ in range(IMAGE_POOL)]
         self.bad = [raw for _, raw in bad_bodies(model)] + [
             self.encoded(self.chat([self.image_part(url), {"type": "text", "text": "?"}]))
             for name, url in broken_images().items() if name != "decompression bomb"]
@@ -137,10 +148,9 @@ class Mix:
         if kind in ("stream", "cancel"):
             return self.encoded(self.chat(question, stream=True))
         if kind == "image":
-            size = (rng.randrange(32, 640), rng.randrange(32, 640))
-            png = encode(Image.new("RGB", size, tuple(rng.randrange(256) for _ in range(3))),
-                         "PNG")
-            return self.encoded(self.chat([self.image_part(data_url(png)),
+            url = rng.choice(self.pool) if rng.random() < 0.5 else \
+                png_url(rng, rng.randrange(32, 64), rng.randrange(32, 64))
+            return self.encoded(self.chat([self.image_part(url),
                                            {"type": "text", "text": "What is in the image?"}],
                                           stream=rng.random() < 0.5))
         if kind == "tool":
