@@ -89,6 +89,9 @@ def test_client_disconnect_aborts_the_engine_request(app):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long story."}],
             "max_tokens": 3000, "ignore_eos": True, "temperature": 0, "stream": True}
     with serve_calls_in_child() as call:
+        # The child's first call imports Ray and joins the cluster: done before the stream, as
+        # under a stream it waited ~45 s for CPU the engine held (49 s of generated tokens).
+        assert call("LanguageModel", "stats")["num_unfinished_requests"] == 0
         with httpx.stream("POST", f"{app.base_url}/v1/chat/completions", json=body,
                           timeout=60) as r:
             lines = r.iter_lines()
