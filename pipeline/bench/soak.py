@@ -173,7 +173,8 @@ async def send(session: aiohttp.ClientSession, url: str, kind: str, raw: bytes,
             if r.status in (429, 503) and "Retry-After" in r.headers:
                 return tally.add(kind, "refused")
             if kind == "bad":
-                return tally.add(kind, "rejected" if 400 <= r.status < 500 else f"lost/HTTP {r.status}")
+                rejected = 400 <= r.status < 500
+                return tally.add(kind, "rejected" if rejected else f"lost/HTTP {r.status}")
             if r.status != 200:
                 code = (await r.json(content_type=None)).get("error", {}).get("code")
                 if kind == "tool" and code == "tool_call_incomplete":
