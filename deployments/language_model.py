@@ -94,6 +94,23 @@ def replica_name() -> str | None:
         return None
 
 
+def check_platform(platform: str) -> None:
+    """Refuses to start where vLLM's platform is not `language_model.platform` ("any" passes)."""
+    if platform == "any":
+        return
+    from vllm.platforms import current_platform
+
+    running = next((name for name, test in (("rocm", current_platform.is_rocm),
+                                            ("cuda", current_platform.is_cuda),
+                                            ("cpu", current_platform.is_cpu)) if test()),
+                   current_platform.device_name)
+    if running != platform:
+        raise RuntimeError(
+            f"language_model.platform: this config is for {platform}, and vLLM on this node "
+            f"runs on {running} ({type(current_platform).__name__}); run it on a {platform} node "
+            f"with vLLM's {platform} build (docs/production.md), or use a config for {running}")
+
+
 def executor_backend(engine: EngineConfig) -> str | None:
     """vLLM's distributed executor for this engine: Ray on accelerators, its mp executor on CPU."""
     if engine.tensor_parallel_size == 1:
@@ -272,6 +289,7 @@ class LanguageModel:
 
         from moonserve.pipeline.engine.image_format import image_format
 
+        check_platform(config.platform)
         self.config = config
         self.load = EngineLoad()
         self.images = images

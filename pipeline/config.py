@@ -335,6 +335,11 @@ class RoutingConfig(StrictModel):
 
 
 class LanguageModelConfig(StrictModel):
+    platform: Literal["any", "cpu", "cuda", "rocm"] = Field("any", description=(
+        "The accelerator platform this config is written for. A LanguageModel replica whose "
+        "vLLM runs on another (vLLM's `current_platform`) refuses to start, naming both: the "
+        "MI355X config's engine settings (AITER, TRITON_MLA, the ROCm env) mean nothing "
+        "elsewhere, and PyPI's CUDA vLLM on a ROCm node would run none of them."))
     engine: EngineConfig = Field(EngineConfig(), description=(
         "vLLM engine arguments moonserve passes through, named and typed."))
     chat: ChatConfig = Field(ChatConfig(), description=(

