@@ -2,9 +2,12 @@
 
 With `vision.handover: encoder_cache` images reach vLLM as multimodal inputs, each with its key
 (the image's SHA-256) as its `multi_modal_uuids` entry, so an `ec_consumer` engine finds the
-encoder output the VisionEncoder stored under that key. The prompt text of one image is the model
-class's own `get_placeholder_str("image", i)`, asked of vLLM's model registry; vLLM's processor
-then expands it to the model's full format (Kimi K2.5: its placeholder text's one `<|media_pad|>`
+encoder output the VisionEncoder stored under that key. The prompt text of one image is what the
+model class's `get_placeholder_str("image", i)` returns, read without importing vLLM's model
+classes (the Router runs this, on nodes that may have no GPU): Kimi K3's from the checkpoint's
+`image_placeholder` (the text vLLM's K3 processor replaces), Kimi K2.5's fixed text
+(tests/unit/test_image_format.py asks both classes); vLLM's processor then expands it to the
+model's full format (Kimi K2.5: its placeholder text's one `<|media_pad|>`
 becomes one per image token; Kimi K3: its one-token placeholder becomes
 `<|media_begin|>image {w}x{h}<|media_content|>`, the pads and `<|media_end|>`).
 
@@ -42,6 +45,10 @@ MODALITIES = {
     "KimiK25ForConditionalGeneration": ("vision_chunk", True, False),
     "KimiK3ForConditionalGeneration": ("image", False, True),
 }
+# One image's prompt text where the checkpoint's config does not carry it: K2.5's
+# `get_placeholder_str("image", i)` (vllm/model_executor/models/kimi_k25.py). K3's is the config's
+# `image_placeholder` (vllm/models/kimi_k3/common/mm_preprocess.py reads it there).
+K25_PLACEHOLDER = "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"
 
 
 @dataclass(frozen=True)
@@ -70,11 +77,12 @@ def image_format(model_path: str | Path) -> ImageFormat:
     if architecture not in MODALITIES:
         raise ValueError(f"vision.handover encoder_cache: {model_path} is a {architecture}; "
                          f"the image format is known for {', '.join(MODALITIES)}")
-    from vllm.model_executor.models.registry import ModelRegistry
-
-    model_cls = ModelRegistry._try_load_model_cls(architecture)
-    if model_cls is None:
-        raise ValueError(f"vision.handover encoder_cache: this vLLM has no {architecture}")
     modality, chunk_items, sized_wrapper = MODALITIES[architecture]
-    return ImageFormat(architecture, modality, model_cls.get_placeholder_str("image", 1),
-                       chunk_items, sized_wrapper)
+    if architecture == "KimiK25ForConditionalGeneration":
+        placeholder = K25_PLACEHOLDER
+    elif not config.get("image_placeholder"):
+        raise ValueError(f"vision.handover encoder_cache: {model_path}/config.json has no "
+                         f"image_placeholder, which vLLM's {architecture} processor replaces")
+    else:
+        placeholder = config["image_placeholder"]
+    return ImageFormat(architecture, modality, placeholder, chunk_items, sized_wrapper)

@@ -1,5 +1,6 @@
 """`moonserve.pipeline.engine.image_format`: how an image goes to a model vLLM serves as
-multimodal, asked of vLLM's own model classes."""
+multimodal, asked of vLLM's own model classes and processor; the format itself never imports a
+model class (the Router builds it)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import pytest
 from moonserve.pipeline.engine.image_format import MODALITIES, image_format
 
 
-def write_config(directory, architecture: str):
+def write_config(directory, architecture: str, **fields):
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps({"architectures": [architecture]}))
+    (directory / "config.json").write_text(json.dumps({"architectures": [architecture],
+                                                       **fields}))
     return directory
 
 
@@ -29,12 +31,38 @@ def test_kimi_k25_takes_vision_chunks_with_its_own_placeholder_text(tmp_path):
     assert mm["multi_modal_uuids"] == {"vision_chunk": ["key-a", "key-b"]}
 
 
-def test_kimi_k3_takes_plain_images(tmp_path):
-    fmt = image_format(write_config(tmp_path / "k3", "KimiK3ForConditionalGeneration"))
+def test_kimi_k3_takes_plain_images_under_its_configs_placeholder(tmp_path):
+    from vllm.models.kimi_k3.amd.model import KimiK3ForConditionalGeneration as AMD
+    from vllm.models.kimi_k3.nvidia.model import KimiK3ForConditionalGeneration as NVIDIA
+
+    from moonserve.pipeline.synthetic_checkpoints.k3 import write_k3_config
+
+    fmt = image_format(write_k3_config(tmp_path / "k3"))
+    assert fmt.placeholder_text == AMD.get_placeholder_str("image", 0) \
+        == NVIDIA.get_placeholder_str("image", 0)
+    with pytest.raises(ValueError, match="config.json has no image_placeholder"):
+        image_format(write_config(tmp_path / "bare", "KimiK3ForConditionalGeneration"))
     assert fmt.multi_modal(["pil"], ["key"]) == {"multi_modal_data": {"image": ["pil"]},
                                                  "multi_modal_uuids": {"image": ["key"]}}
     with pytest.raises(ValueError):
         fmt.multi_modal(["pil"], [])  # every image needs its key
+
+
+def test_the_format_is_read_without_importing_vllms_model_classes(tmp_path):
+    import subprocess
+    import sys
+
+    from moonserve.pipeline.synthetic_checkpoints.k3 import write_k3_config
+
+    checkpoint = write_k3_config(tmp_path / "k3")
+    code = ("import sys; from moonserve.pipeline.engine.image_format import image_format; "
+            f"image_format({str(checkpoint)!r}); "
+            "print(sorted(m for m in sys.modules if m.startswith(('vllm.model', 'vllm.models', "
+            "'torch'))))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]", result.stdout
 
 
 def test_an_architecture_without_a_known_format_is_refused(tmp_path):
