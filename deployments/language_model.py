@@ -33,6 +33,7 @@ from moonserve.pipeline.config import (
     DraftConfig,
     EngineConfig,
     LanguageModelConfig,
+    check_k3_dspark_draft,
 )
 from moonserve.pipeline.api.protocol import GenerateRequest, ModelInfo, SamplingSpec
 from moonserve.pipeline.engine.output_sender import EngineOutputs
@@ -290,6 +291,8 @@ class LanguageModel:
         from moonserve.pipeline.engine.image_format import image_format
 
         check_platform(config.platform)
+        if draft is not None and draft.mode == "inline" and draft.attention_backend:
+            check_k3_dspark_draft(draft.model, "draft.attention_backend")  # on this node
         self.config = config
         self.load = EngineLoad()
         self.images = images

@@ -638,6 +638,31 @@ class VisionConfig(StrictModel):
         "The VisionEncoder deployment: image patches to the LM's embeddings."))
 
 
+K3_DSPARK = ("K3DSparkModel", "k3_dspark")  # config.json architectures[0], model_type
+
+
+def check_k3_dspark_draft(model: str, setting: str) -> None:
+    """`setting` (an MLA backend for the draft) holds only for a K3 DSpark draft: vLLM runs a
+    `K3DSparkModel` (model_type `k3_dspark`) as K3's MLA drafter, but turns a DSparkDraftModel of
+    model_type qwen3 (or a speculators-format draft) into `Qwen3DSparkModel`, dense and non-MLA,
+    and any other draft into DeepSeek-V4's `DSparkDraftModel` (vllm/config/speculative.py). Reads
+    `model`'s config.json where it is on this machine (else the LanguageModel replica, where it
+    must be, checks again)."""
+    config_file = Path(model) / "config.json"
+    if not config_file.is_file():
+        return
+    import json
+
+    config = json.loads(config_file.read_text())
+    architecture = (config.get("architectures") or [None])[0]
+    if architecture != K3_DSPARK[0] and config.get("model_type") != K3_DSPARK[1]:
+        raise ValueError(
+            f"draft.model: {model} is a {architecture} draft (model_type "
+            f"{config.get('model_type')}), not a {K3_DSPARK[0]} ({K3_DSPARK[1]}); vLLM runs it "
+            f"as another drafter (Qwen3DSparkModel, dense non-MLA, or DeepSeek-V4's), which "
+            f"{setting} is not for: use a K3 DSpark checkpoint, or unset {setting}")
+
+
 class DraftConfig(StrictModel):
     """Speculative decoding: where the draft tokens come from; vLLM verifies them losslessly.
 
@@ -673,7 +698,8 @@ class DraftConfig(StrictModel):
         "target); with `inline`, vLLM's `speculative_config.model`."))
     attention_backend: str | None = Field(None, description=(
         "Inline dspark only: the draft's attention backend, a vLLM AttentionBackendEnum name "
-        "such as TRITON_MLA; null: vLLM picks."))
+        "such as TRITON_MLA; null: vLLM picks. Only for a K3 DSpark draft (`K3DSparkModel`): "
+        "config load and the LanguageModel read `model`'s config.json and refuse another."))
     draft_sample_method: Literal["greedy", "probabilistic"] = Field("greedy", description=(
         "Inline dspark only: how the draft samples (vLLM's speculative_config)."))
     rejection_sample_method: Literal["standard", "block"] = Field("standard", description=(
@@ -719,6 +745,8 @@ class DraftConfig(StrictModel):
             raise ValueError("draft.model: drafter dspark_context needs a K3 DSpark checkpoint "
                              "(context_proj over the target's hidden states); the embedded "
                              "drafter reads tokens only")
+        if self.mode == "inline" and self.drafter == "dspark" and self.attention_backend:
+            check_k3_dspark_draft(self.model, "draft.attention_backend")
         if self.mode == "service" and self.deployment.autoscaling is not None:
             raise ValueError("draft.deployment.autoscaling: each request's context lives in the "
                              "replica its id is sharded to, over a fixed number of shards; set "

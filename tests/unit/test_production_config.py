@@ -402,3 +402,49 @@ def test_the_language_model_refuses_a_node_whose_vllm_is_another_platform():
         check_platform(other)
     check_platform(running)
     check_platform("any")
+
+
+def write_qwen3_dspark_config(directory: Path) -> Path:
+    """A DSparkDraftModel of model_type qwen3 (dense attention; no weights)."""
+    import json
+
+    from moonserve.pipeline.synthetic_checkpoints.k3 import K3Dims
+
+    dims = K3Dims()
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps({
+        "architectures": ["DSparkDraftModel"], "model_type": "qwen3",
+        "hidden_size": dims.hidden_size, "intermediate_size": dims.intermediate_size,
+        "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 8, "num_hidden_layers": 1,
+        "vocab_size": dims.vocab_size, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+        "target_layer_ids": [0], "block_size": 7, "torch_dtype": "bfloat16"}))
+    return directory
+
+
+def test_a_draft_vllm_would_not_run_as_k3s_mla_drafter_is_refused(checkpoints, tmp_path):
+    """vLLM runs only a K3DSparkModel as K3's MLA drafter (it turns a qwen3 DSparkDraftModel into
+    a dense Qwen3DSparkModel); the production draft block, whose TRITON_MLA backend is for the
+    former, is refused on the latter, naming the field."""
+    from pydantic import ValidationError
+    from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig
+
+    from moonserve.pipeline.config import DraftConfig
+
+    target = ModelConfig(model=str(checkpoints[0]), trust_remote_code=True)
+
+    def resolved(draft: Path) -> list[str]:
+        return SpeculativeConfig(
+            target_model_config=target, target_parallel_config=ParallelConfig(
+                tensor_parallel_size=8), method="dspark", model=str(draft),
+            num_speculative_tokens=7).draft_model_config.architectures
+
+    qwen3 = write_qwen3_dspark_config(tmp_path / "qwen3-dspark")
+    assert resolved(checkpoints[1]) == ["K3DSparkModel"]
+    assert resolved(qwen3) == ["Qwen3DSparkModel"]
+    block = load_app_config(PRODUCTION).draft.model_dump()
+    assert block["attention_backend"] == "TRITON_MLA"
+    DraftConfig.model_validate({**block, "model": str(checkpoints[1])})
+    with pytest.raises(ValidationError, match=r"draft.model: .* is a DSparkDraftModel draft "
+                                              r"\(model_type qwen3\), not a K3DSparkModel"):
+        DraftConfig.model_validate({**block, "model": str(qwen3)})
+    DraftConfig.model_validate({**block, "model": str(qwen3), "attention_backend": None})
