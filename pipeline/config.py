@@ -641,6 +641,20 @@ class VisionConfig(StrictModel):
 K3_DSPARK = ("K3DSparkModel", "k3_dspark")  # config.json architectures[0], model_type
 
 
+def dspark_draft_kind(config: dict) -> str | None:
+    """What vLLM runs a DSpark draft's config.json as (vllm/config/speculative.py); None for a
+    checkpoint that is not a DSpark draft."""
+    architecture = (config.get("architectures") or [None])[0]
+    if architecture == K3_DSPARK[0] or config.get("model_type") == K3_DSPARK[1]:
+        return "K3DSparkModel: K3's MLA drafter (draft.attention_backend TRITON_MLA holds)"
+    if architecture == "Qwen3DSparkModel" or (architecture == "DSparkDraftModel"
+                                              and config.get("model_type") == "qwen3"):
+        return "Qwen3DSparkModel: dense, non-MLA (not for draft.attention_backend TRITON_MLA)"
+    if architecture and "DSpark" in architecture:
+        return f"{architecture}: not a K3 draft (not for draft.attention_backend TRITON_MLA)"
+    return None
+
+
 def check_k3_dspark_draft(model: str, setting: str) -> None:
     """`setting` (an MLA backend for the draft) holds only for a K3 DSpark draft: vLLM runs a
     `K3DSparkModel` (model_type `k3_dspark`) as K3's MLA drafter, but turns a DSparkDraftModel of

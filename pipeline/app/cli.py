@@ -194,7 +194,9 @@ PATH is a directory (config.json, model.safetensors.index.json and its shards, o
 .safetensors file) or a single .safetensors file. Pairs MXFP4 blocks with their E8M0 scales and
 FP8 weights with theirs; with a Kimi K3 (or Kimi Linear) config.json beside it, checks that every
 tensor vLLM's loader expects is there with the right shape and dtype, and reports parameters and
-bytes by component and format, in total and per TP rank (vLLM's sharding rules).
+bytes by component and format, in total and per TP rank (vLLM's sharding rules). With a DSpark
+draft's config.json, it says which drafter vLLM makes of it (only a K3DSparkModel is K3's MLA
+drafter, the one draft.attention_backend TRITON_MLA is for).
 
 Exit status: 0 no problems (warnings allowed), 1 problems found (each names its file or tensor),
 2 usage error (bad arguments, PATH does not exist)."""

@@ -48,6 +48,7 @@ from moonserve.pipeline.capacity.kimi_k3_layout import (
     is_mtp_name,
     normalize_name,
 )
+from moonserve.pipeline.config import dspark_draft_kind
 from moonserve.pipeline.models.weights import (
     CONFIG_FILE,
     INDEX_FILE,
@@ -325,7 +326,8 @@ def load_config(root: Path) -> tuple[KimiCheckpointConfig | None, list[Problem],
     if model_type not in SUPPORTED_MODEL_TYPES:
         note = (f"{path}: model_type {model_type!r} is not one of "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}; expected tensors not checked")
-        return None, [], [note]
+        draft = dspark_draft_kind(data) if isinstance(data, dict) else None
+        return None, [], [note] + ([f"a DSpark draft; vLLM runs it as {draft}"] if draft else [])
     try:
         return KimiCheckpointConfig.from_dict(data), [], []
     except ConfigError as exc:

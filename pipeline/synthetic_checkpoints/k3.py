@@ -212,6 +212,20 @@ def write_dspark_config(directory: str | Path, dims: K3Dims = K3Dims(), *,
     return directory
 
 
+def write_qwen3_dspark_config(directory: str | Path, dims: K3Dims = K3Dims()) -> Path:
+    """Write a DSpark draft of model_type qwen3 (dense attention), which vLLM runs as
+    `Qwen3DSparkModel`, not as K3's MLA drafter; config.json only."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    _write_json(directory / "config.json", {
+        "architectures": ["DSparkDraftModel"], "model_type": "qwen3",
+        "hidden_size": dims.hidden_size, "intermediate_size": dims.intermediate_size,
+        "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 8, "num_hidden_layers": 1,
+        "vocab_size": dims.vocab_size, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+        "target_layer_ids": [0], "block_size": 7, "torch_dtype": "bfloat16"})
+    return directory
+
+
 def write_tokenizer(directory: str | Path, vocab_size: int) -> Path:
     """Byte-level BPE over 256 byte tokens (no merges) plus `SPECIAL_TOKENS`, with a chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

@@ -510,3 +510,22 @@ def test_module_examples_run():
     assert doctest.testmod(moonserve.pipeline.capacity.kimi_k3_layout).failed == 0
     assert doctest.testmod(moonserve.pipeline.models.weights).failed == 0
     assert doctest.testmod(moonserve.kernels.mxfp4.format).failed == 0  # the MXFP4 pair rule
+
+
+def test_a_dspark_draft_is_reported_as_vllm_runs_it(tmp_path):
+    """`check-checkpoint` on a draft says which drafter vLLM makes of it (the production config's
+    TRITON_MLA draft backend holds only for K3's; tests/unit/test_production_config.py asks
+    vLLM's SpeculativeConfig the same of both drafts)."""
+    from moonserve.pipeline.synthetic_checkpoints.k3 import (
+        write_dspark_config,
+        write_qwen3_dspark_config,
+    )
+
+    for draft, kind in ((write_dspark_config(tmp_path / "k3"), "K3DSparkModel: K3's MLA drafter"),
+                        (write_qwen3_dspark_config(tmp_path / "qwen3"),
+                         "Qwen3DSparkModel: dense, non-MLA")):
+        save_file({"layers.0.weight": bf16(4, 4)}, str(draft / "model.safetensors"))
+        report = check_checkpoint(draft)
+        assert report.ok, report.problems
+        assert any(n.startswith(f"a DSpark draft; vLLM runs it as {kind}") for n in report.notes), \
+            report.notes

@@ -404,23 +404,6 @@ def test_the_language_model_refuses_a_node_whose_vllm_is_another_platform():
     check_platform("any")
 
 
-def write_qwen3_dspark_config(directory: Path) -> Path:
-    """A DSparkDraftModel of model_type qwen3 (dense attention; no weights)."""
-    import json
-
-    from moonserve.pipeline.synthetic_checkpoints.k3 import K3Dims
-
-    dims = K3Dims()
-    directory.mkdir(parents=True)
-    (directory / "config.json").write_text(json.dumps({
-        "architectures": ["DSparkDraftModel"], "model_type": "qwen3",
-        "hidden_size": dims.hidden_size, "intermediate_size": dims.intermediate_size,
-        "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 8, "num_hidden_layers": 1,
-        "vocab_size": dims.vocab_size, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
-        "target_layer_ids": [0], "block_size": 7, "torch_dtype": "bfloat16"}))
-    return directory
-
-
 def test_a_draft_vllm_would_not_run_as_k3s_mla_drafter_is_refused(checkpoints, tmp_path):
     """vLLM runs only a K3DSparkModel as K3's MLA drafter (it turns a qwen3 DSparkDraftModel into
     a dense Qwen3DSparkModel); the production draft block, whose TRITON_MLA backend is for the
@@ -429,6 +412,7 @@ def test_a_draft_vllm_would_not_run_as_k3s_mla_drafter_is_refused(checkpoints, t
     from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig
 
     from moonserve.pipeline.config import DraftConfig
+    from moonserve.pipeline.synthetic_checkpoints.k3 import write_qwen3_dspark_config
 
     target = ModelConfig(model=str(checkpoints[0]), trust_remote_code=True)
 
