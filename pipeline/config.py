@@ -641,11 +641,18 @@ class VisionConfig(StrictModel):
 K3_DSPARK = ("K3DSparkModel", "k3_dspark")  # config.json architectures[0], model_type
 
 
-def dspark_draft_kind(config: dict) -> str | None:
-    """What vLLM runs a DSpark draft's config.json as (vllm/config/speculative.py); None for a
-    checkpoint that is not a DSpark draft."""
+def is_k3_dspark(config: dict) -> bool:
+    """Whether vLLM runs this draft config.json as K3's MLA drafter (vllm/config/speculative.py:
+    it turns a DSparkDraftModel of model_type qwen3, or a speculators-format draft, into a dense
+    `Qwen3DSparkModel`, and any other draft into DeepSeek-V4's `DSparkDraftModel`)."""
     architecture = (config.get("architectures") or [None])[0]
-    if architecture == K3_DSPARK[0] or config.get("model_type") == K3_DSPARK[1]:
+    return architecture == K3_DSPARK[0] or config.get("model_type") == K3_DSPARK[1]
+
+
+def dspark_draft_kind(config: dict) -> str | None:
+    """What vLLM runs a DSpark draft's config.json as; None for a checkpoint that is not one."""
+    architecture = (config.get("architectures") or [None])[0]
+    if is_k3_dspark(config):
         return "K3DSparkModel: K3's MLA drafter (draft.attention_backend TRITON_MLA holds)"
     if architecture == "Qwen3DSparkModel" or (architecture == "DSparkDraftModel"
                                               and config.get("model_type") == "qwen3"):
@@ -656,25 +663,22 @@ def dspark_draft_kind(config: dict) -> str | None:
 
 
 def check_k3_dspark_draft(model: str, setting: str) -> None:
-    """`setting` (an MLA backend for the draft) holds only for a K3 DSpark draft: vLLM runs a
-    `K3DSparkModel` (model_type `k3_dspark`) as K3's MLA drafter, but turns a DSparkDraftModel of
-    model_type qwen3 (or a speculators-format draft) into `Qwen3DSparkModel`, dense and non-MLA,
-    and any other draft into DeepSeek-V4's `DSparkDraftModel` (vllm/config/speculative.py). Reads
-    `model`'s config.json where it is on this machine (else the LanguageModel replica, where it
-    must be, checks again)."""
+    """`setting` (an MLA backend for the draft) holds only for a K3 DSpark draft. Reads `model`'s
+    config.json where it is on this machine (the LanguageModel replica, on the node that holds
+    the draft, checks again)."""
     config_file = Path(model) / "config.json"
     if not config_file.is_file():
         return
     import json
 
     config = json.loads(config_file.read_text())
-    architecture = (config.get("architectures") or [None])[0]
-    if architecture != K3_DSPARK[0] and config.get("model_type") != K3_DSPARK[1]:
+    if not is_k3_dspark(config):
+        architecture = (config.get("architectures") or [None])[0]
         raise ValueError(
             f"draft.model: {model} is a {architecture} draft (model_type "
             f"{config.get('model_type')}), not a {K3_DSPARK[0]} ({K3_DSPARK[1]}); vLLM runs it "
-            f"as another drafter (Qwen3DSparkModel, dense non-MLA, or DeepSeek-V4's), which "
-            f"{setting} is not for: use a K3 DSpark checkpoint, or unset {setting}")
+            f"as {dspark_draft_kind(config) or architecture}, which {setting} is not for: use a "
+            f"K3 DSpark checkpoint, or unset {setting}")
 
 
 class DraftConfig(StrictModel):
