@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import aiohttp
@@ -66,16 +66,19 @@ def png_url(rng: random.Random, width: int, height: int) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=str(DEFAULT_CONFIG))
-    parser.add_argument("--duration-s", type=float, default=1200.0, help="seconds of load")
-    parser.add_argument("--warmup-s", type=float, default=120.0,
+    parser.add_argument("--duration-s", type=float, default=Options.duration_s,
+                        help="seconds of load")
+    parser.add_argument("--warmup-s", type=float, default=Options.warmup_s,
                         help="RSS growth is counted from the first sample after this")
-    parser.add_argument("--concurrency", type=int, default=4, help="closed-loop clients")
-    parser.add_argument("--sample-s", type=float, default=10.0, help="RSS and object store period")
-    parser.add_argument("--settle-s", type=float, default=60.0,
+    parser.add_argument("--concurrency", type=int, default=Options.concurrency,
+                        help="closed-loop clients")
+    parser.add_argument("--sample-s", type=float, default=Options.sample_s,
+                        help="RSS and object store period")
+    parser.add_argument("--settle-s", type=float, default=Options.settle_s,
                         help="how long the object store may take to return to its level")
-    parser.add_argument("--timeout-s", type=float, default=300.0,
+    parser.add_argument("--timeout-s", type=float, default=Options.timeout_s,
                         help="a request with no complete answer after this long is lost")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=Options.seed)
     parser.add_argument("--port", type=int, default=8043)
     parser.add_argument("--out", default="bench-soak.json")
 
@@ -311,9 +314,7 @@ def judge(options: Options, tally: Tally, samples: list[dict], baseline_mb: floa
 
 def main(args: argparse.Namespace) -> int:
     model = load_app_config(args.config).language_model.engine.model_name()
-    options = Options(duration_s=args.duration_s, warmup_s=args.warmup_s,
-                      concurrency=args.concurrency, sample_s=args.sample_s,
-                      settle_s=args.settle_s, timeout_s=args.timeout_s, seed=args.seed)
+    options = Options(**{f.name: getattr(args, f.name) for f in fields(Options)})
     metrics_port = args.port + 160
     cmd = [sys.executable, "-m", "moonserve.pipeline.app.cli", "serve", "--config", args.config,
            "--port", str(args.port), "--dashboard-port", str(args.port + 150),
