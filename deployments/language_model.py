@@ -112,6 +112,39 @@ def check_platform(platform: str) -> None:
             f"with vLLM's {platform} build (docs/production.md), or use a config for {running}")
 
 
+def resolved_summary(vllm_config) -> str:
+    """One line of what vLLM resolved this replica's engine to (its VllmConfig, after every
+    default and model-specific update), logged at start: the line docs/bring-up.md reads to see
+    that each setting took effect."""
+    from vllm.platforms import current_platform
+
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    scheduler, parallel = vllm_config.scheduler_config, vllm_config.parallel_config
+    spec, images = vllm_config.speculative_config, vllm_config.ec_transfer_config
+    draft = "off" if spec is None else (
+        f"{spec.method} k={spec.num_speculative_tokens}"
+        + (f" {spec.draft_model_config.architecture}" if spec.draft_model_config else "")
+        + f" backend={spec.attention_backend.name if spec.attention_backend else 'auto'}")
+    fields = {
+        "architecture": model.architecture, "tp": parallel.tensor_parallel_size,
+        "dcp": parallel.decode_context_parallel_size, "max_model_len": model.max_model_len,
+        "kv_cache_dtype": cache.cache_dtype, "prefix_caching": cache.enable_prefix_caching,
+        "mamba_cache_mode": cache.mamba_cache_mode,
+        "gpu_memory_utilization": cache.gpu_memory_utilization,
+        "policy": scheduler.policy, "max_num_seqs": scheduler.max_num_seqs,
+        "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+        "long_prefill_token_threshold": scheduler.long_prefill_token_threshold,
+        "cudagraph_mode": vllm_config.compilation_config.cudagraph_mode.name,
+        "draft": draft,
+        "ec_transfer": "none" if images is None else f"{images.ec_role} {images.ec_connector}",
+    }
+    if current_platform.is_rocm():  # the SiTU MoE activation AITER runs (vllm/_aiter_ops.py)
+        from vllm._aiter_ops import _resolve_situv2_activation
+
+        fields["aiter_moe"] = _resolve_situv2_activation()
+    return "moonserve LanguageModel engine: " + ", ".join(f"{k}={v}" for k, v in fields.items())
+
+
 def executor_backend(engine: EngineConfig) -> str | None:
     """vLLM's distributed executor for this engine: Ray on accelerators, its mp executor on CPU."""
     if engine.tensor_parallel_size == 1:
@@ -307,6 +340,7 @@ class LanguageModel:
         # The engine's outputs go to the Routers, which process them (vLLM's output processor
         # runs there, once per token): AsyncLLM's own output handler is never started.
         self.outputs = EngineOutputs(self.engine)
+        logging.getLogger("ray.serve").info(resolved_summary(self.engine.vllm_config))
         self.supported_tasks = None
         model_config = self.engine.model_config
         # Multimodal prompts are built here as embeddings: token rows from this table, image rows

@@ -105,6 +105,14 @@ class Router:
         self.receiver: OutputReceiver | None = None  # made with the engine's tokenizer, once
         self.making_receiver: asyncio.Future | None = None
         self._info: ModelInfo | None = None
+        lanes = "off" if not config.lanes.enabled else \
+            "application" if admission is not None else "replica"
+        logging.getLogger("ray.serve").info(
+            "moonserve Router: lanes=%s, ingress=%s, tools=%s strict_level=%s, reasoning=%s, "
+            "images=%s, auth=%s", lanes, config.ingress, chat.tools.parser,
+            chat.tools.strict_level, chat.reasoning.parser,
+            vision.handover if vision is not None else "none",
+            "on" if api_keys is not None else "off")
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         app = FastAPI(title="moonserve", version="0.1.0")

@@ -643,8 +643,8 @@ K3_DSPARK = ("K3DSparkModel", "k3_dspark")  # config.json architectures[0], mode
 
 def is_k3_dspark(config: dict) -> bool:
     """Whether vLLM runs this draft config.json as K3's MLA drafter (vllm/config/speculative.py:
-    it turns a DSparkDraftModel of model_type qwen3, or a speculators-format draft, into a dense
-    `Qwen3DSparkModel`, and any other draft into DeepSeek-V4's `DSparkDraftModel`)."""
+    it turns a DSparkDraftModel of model_type qwen3, or a speculators-format draft (vLLM's K3
+    recipe's), into a dense `Qwen3DSparkModel`, and any other draft into DeepSeek-V4's `DSparkDraftModel`)."""
     architecture = (config.get("architectures") or [None])[0]
     return architecture == K3_DSPARK[0] or config.get("model_type") == K3_DSPARK[1]
 
@@ -654,6 +654,9 @@ def dspark_draft_kind(config: dict) -> str | None:
     architecture = (config.get("architectures") or [None])[0]
     if is_k3_dspark(config):
         return "K3DSparkModel: K3's MLA drafter (draft.attention_backend TRITON_MLA holds)"
+    if config.get("speculators_model_type") == "dspark":
+        return ("Qwen3DSparkModel (speculators format): dense, non-MLA (not for "
+                "draft.attention_backend TRITON_MLA)")
     if architecture == "Qwen3DSparkModel" or (architecture == "DSparkDraftModel"
                                               and config.get("model_type") == "qwen3"):
         return "Qwen3DSparkModel: dense, non-MLA (not for draft.attention_backend TRITON_MLA)"

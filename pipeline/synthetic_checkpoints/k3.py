@@ -226,6 +226,36 @@ def write_qwen3_dspark_config(directory: str | Path, dims: K3Dims = K3Dims()) ->
     return directory
 
 
+def write_speculators_dspark_config(directory: str | Path, dims: K3Dims = K3Dims(), *,
+                                    speculative_tokens: int = 8) -> Path:
+    """Write a DSpark draft in the speculators format, as vLLM's K3 recipe's draft ships
+    (`speculators_model_type: dspark` around a Qwen3 `transformer_layer_config`), which vLLM runs
+    as a dense `Qwen3DSparkModel` (vllm/transformers_utils/configs/speculators/algos.py
+    `update_dspark`); config.json only."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    n = dims.num_hidden_layers
+    _write_json(directory / "config.json", {
+        "architectures": ["DSparkSpeculator"], "model_type": "speculators",
+        "speculators_model_type": "dspark",
+        "speculators_config": {
+            "proposal_methods": [{"proposal_type": "dspark",
+                                  "speculative_tokens": speculative_tokens}],
+            "verifier": {"name_or_path": "moonshotai/Kimi-K3",
+                         "architectures": ["KimiK3ForConditionalGeneration"]}},
+        "transformer_layer_config": {
+            "model_type": "qwen3", "hidden_size": dims.hidden_size,
+            "intermediate_size": dims.intermediate_size, "num_attention_heads": 8,
+            "num_key_value_heads": 8, "head_dim": 8, "num_hidden_layers": 1,
+            "vocab_size": dims.vocab_size, "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16"},
+        "aux_hidden_state_layer_ids": sorted({1, n // 2 + 1, n}),
+        "mask_token_id": dims.vocab_size - 1, "block_size": speculative_tokens,
+        "draft_vocab_size": dims.vocab_size, "target_hidden_size": dims.hidden_size,
+        "torch_dtype": "bfloat16"})
+    return directory
+
+
 def write_tokenizer(directory: str | Path, vocab_size: int) -> Path:
     """Byte-level BPE over 256 byte tokens (no merges) plus `SPECIAL_TOKENS`, with a chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
