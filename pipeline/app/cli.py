@@ -81,7 +81,7 @@ BENCHMARKS = {"overhead": bench_module("overhead"), "lanes": bench_module("lanes
 def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
-    from moonserve.pipeline.capacity.plan import plan
+    from moonserve.pipeline.capacity.plan import EngineLimits, plan
     from moonserve.pipeline.capacity.registry import (
         BRIEF_USED_BYTES_PER_GPU_AT_START,
         DRAFTS,
@@ -101,7 +101,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         result = plan(model, HARDWARE[args.hardware], args.tensor_parallel_size,
                       args.decode_context_parallel_size,
                       gpu_memory_utilization=args.gpu_memory_utilization, draft=draft,
-                      kv_cache=kv_cache)
+                      kv_cache=kv_cache, limits=EngineLimits(
+                          args.max_num_seqs, args.max_model_len,
+                          None if args.draft_attention_backend == "auto"
+                          else args.draft_attention_backend,
+                          args.encoder_gpu_memory_utilization))
     except (ValueError, FileNotFoundError) as exc:
         print(f"moonserve plan: error: {exc}", file=sys.stderr)
         return 2
@@ -127,17 +131,27 @@ def apply_config_to_plan(args: argparse.Namespace) -> None:
     args.decode_context_parallel_size = engine.decode_context_parallel_size
     args.gpu_memory_utilization = engine.gpu_memory_utilization
     args.enable_prefix_caching = engine.enable_prefix_caching
+    args.max_model_len, args.max_num_seqs = engine.max_model_len, engine.max_num_seqs
     # Only an inline DSpark draft shares the LM's GPUs (the DraftService has its own).
     if draft.mode == "inline" and draft.drafter == "dspark":
         args.num_speculative_tokens = draft.num_speculative_tokens
+        args.draft_attention_backend = draft.attention_backend or "auto"
     else:
         args.draft = "none"
+    # The encoder engine shares a GPU with a TP rank when it asks for part of one.
+    encoder = app.vision.encoder if app.vision and app.vision.handover == "encoder_cache" \
+        else None
+    args.encoder_gpu_memory_utilization = encoder.gpu_memory_utilization \
+        if encoder is not None and 0 < encoder.num_gpus < 1 else 0.0
     print(f"plan: engine settings from {args.config}: tensor_parallel_size "
           f"{engine.tensor_parallel_size}, decode_context_parallel_size "
           f"{engine.decode_context_parallel_size}, gpu_memory_utilization "
           f"{engine.gpu_memory_utilization}, enable_prefix_caching "
-          f"{engine.enable_prefix_caching}, draft {args.draft} "
-          f"(k={args.num_speculative_tokens})", file=sys.stderr)
+          f"{engine.enable_prefix_caching}, max_model_len {engine.max_model_len}, max_num_seqs "
+          f"{engine.max_num_seqs}, draft {args.draft} (k={args.num_speculative_tokens}, "
+          f"attention {args.draft_attention_backend}; sized as the K3 DSpark draft), encoder "
+          "share of one GPU "
+          f"{args.encoder_gpu_memory_utilization}", file=sys.stderr)
 
 
 def plan_model(args: argparse.Namespace):
@@ -229,7 +243,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "one; the URL is printed at start)")
     serve.set_defaults(func=cmd_serve)
 
-    from moonserve.pipeline.capacity.registry import DRAFTS, HARDWARE, MODELS
+    from moonserve.pipeline.capacity.registry import (
+        DRAFTS,
+        HARDWARE,
+        K3_DRAFT_ATTENTION_BACKEND,
+        K3_ENCODER_GPU_MEMORY_UTILIZATION,
+        K3_MAX_NUM_SEQS,
+        MODELS,
+    )
 
     plan = sub.add_parser("plan", help="capacity plan: weights, KV/state, concurrency, roofline, "
                           "beside the brief's ~199 GB/GPU")
@@ -247,11 +268,27 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--tensor-parallel-size", type=int, default=8)
     plan.add_argument("--decode-context-parallel-size", type=int, default=1)
     plan.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    plan.add_argument("--max-model-len", type=int, default=None,
+                      help="the longest request (default: the model's 1,048,576); the plan "
+                      "refuses one that would not fit the KV pool, as vLLM refuses to start")
+    plan.add_argument("--max-num-seqs", type=int, default=K3_MAX_NUM_SEQS,
+                      help=f"vLLM's max_num_seqs (default {K3_MAX_NUM_SEQS}); sizes a TRITON_MLA "
+                      "draft's workspace")
+    plan.add_argument("--draft-attention-backend", choices=["TRITON_MLA", "auto"],
+                      default=K3_DRAFT_ATTENTION_BACKEND,
+                      help="the draft's attention backend (default TRITON_MLA, the production "
+                      "config's): TRITON_MLA adds its split-KV workspace, outside "
+                      "gpu_memory_utilization")
+    plan.add_argument("--encoder-gpu-memory-utilization", type=float,
+                      default=K3_ENCODER_GPU_MEMORY_UTILIZATION,
+                      help="the VisionEncoder engine's share of one of these GPUs (default "
+                      f"{K3_ENCODER_GPU_MEMORY_UTILIZATION}, the production config's; 0: none)")
     plan.add_argument("--json", action="store_true", help="JSON instead of tables")
     plan.add_argument("--config", metavar="FILE", default=None,
-                      help="take tensor/decode-context parallel size and GPU memory utilization "
-                      "from this Ray Serve config's language_model.engine (e.g. "
-                      "configs/mi355x-k3.1-pro.yaml); overrides those three flags")
+                      help="take the engine settings from this Ray Serve config (e.g. "
+                      "configs/mi355x-k3.1-pro.yaml): parallel sizes, GPU memory utilization, "
+                      "prefix caching, max_model_len, max_num_seqs, the draft and its backend, "
+                      "the encoder's GPU share; overrides those flags")
     plan.add_argument("--checkpoint", metavar="PATH", default=None,
                       help="plan with the weights check-checkpoint measures in PATH (bytes per GPU "
                       "as stored, vLLM's TP rules) and its config.json's layer and expert counts; "

@@ -56,6 +56,11 @@ MLA_KERNEL_BLOCK_ALIGNMENT = 16
 GROUP_SIZE_MAX_RATIO = 1.5
 # v1/core/block_pool.py: block 0 of the pool is the null block, never handed to a request.
 NULL_BLOCKS = 1
+# v1/attention/backends/mla/triton_mla.py `_compute_num_kv_splits`: the split-KV decode splits
+# next_power_of_2(max_seq_len // 512), capped at 2 per compute unit.
+TRITON_MLA_MIN_WORK_PER_SPLIT = 512
+TRITON_MLA_SPLITS_PER_COMPUTE_UNIT = 2
+TRITON_MLA_LOGIT_BYTES = 4  # float32 partial logits and the log-sum-exp
 
 # routed_expert: only the experts a batch routes to are read per decode step.
 # dense: read in full every decode step. embedding_lookup: only the batch's rows are read.
@@ -163,6 +168,7 @@ class DraftSpec:
     kv_lora_rank: int
     qk_rope_head_dim: int
     assumptions: tuple[Assumption, ...]
+    num_attention_heads: int = 0  # MLA query heads (all ranks); sizes a TRITON_MLA workspace
 
 
 @dataclass(frozen=True)
@@ -172,6 +178,7 @@ class HardwareSpec:
     hbm_bytes_per_gpu: float
     hbm_bandwidth_bytes_per_s: float  # per GPU
     assumptions: tuple[Assumption, ...]
+    compute_units: int = 0  # per GPU (CUs / SMs); sizes a TRITON_MLA workspace; 0: unknown
 
 
 @dataclass(frozen=True)
@@ -189,6 +196,20 @@ class KVCacheSettings:
     @property
     def mamba_cache_mode(self) -> MambaCacheMode:
         return "align" if self.enable_prefix_caching else "none"
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """Engine settings that size memory vLLM holds outside its KV accounting, and the request
+    length vLLM checks at start (`moonserve plan --config` reads them from the config)."""
+
+    max_num_seqs: int = 128
+    max_model_len: int | None = None  # None: the model's max_context_len
+    # "TRITON_MLA" (the draft's backend in the production config): its split-KV workspace.
+    draft_attention_backend: str | None = None
+    # The VisionEncoder's encoder-only engine on one of the node's GPUs (its vLLM
+    # gpu_memory_utilization); 0: none on these GPUs.
+    encoder_gpu_memory_utilization: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -287,6 +308,11 @@ class Plan:
     runtime_reserve_bytes_per_gpu: float
     used_bytes_per_gpu_at_start: float  # weights + runtime reserve, before KV
     kv_pool_bytes_per_gpu: float  # for KV cache and KDA state
+    max_model_len: int
+    # HBM outside gpu_memory_utilization: on every GPU (the TRITON_MLA workspace) and on the one
+    # GPU that also holds the encoder engine.
+    outside_pool: tuple[ReserveTerm, ...]
+    hbm_left_bytes_per_gpu: float  # on the busiest GPU, after the engine's share and all of it
     kv_layout: HybridKVLayout
     kv_bytes_per_token: float  # one copy, all MLA layers (target + draft), unpadded
     kv_bytes_per_token_per_gpu: float
@@ -488,6 +514,53 @@ def decode_roofline(model: ModelSpec, hardware: HardwareSpec, batch_size: int, c
                           step_time_s, batch_size / step_time_s)
 
 
+def triton_mla_num_kv_splits(max_model_len: int, compute_units: int) -> int:
+    """vLLM's `_compute_num_kv_splits` at the engine's longest sequence."""
+    ideal = 1 << (max(1, max_model_len // TRITON_MLA_MIN_WORK_PER_SPLIT) - 1).bit_length()
+    return min(ideal, compute_units * TRITON_MLA_SPLITS_PER_COMPUTE_UNIT)
+
+
+def triton_mla_workspace_bytes(max_num_seqs: int, query_len: int, heads_per_rank: int,
+                               max_model_len: int, compute_units: int, kv_lora_rank: int) -> float:
+    """The split-KV logits buffer TritonMLAMetadataBuilder reserves at start
+    (`_reserve_attn_logits_workspace`): [max_num_seqs x query_len rows, heads per rank (x DCP),
+    splits at max_model_len, kv_lora_rank + 1] in float32, one buffer shared by all its layers
+    (v1/worker/workspace.py). With a draft, query_len is 1 + num_speculative_tokens (vLLM's
+    reorder_batch_threshold for uniform multi-token decode)."""
+    splits = triton_mla_num_kv_splits(max_model_len, compute_units)
+    return (max_num_seqs * query_len * heads_per_rank * splits * (kv_lora_rank + 1)
+            * TRITON_MLA_LOGIT_BYTES)
+
+
+def outside_pool_terms(hardware: HardwareSpec, tensor_parallel_size: int,
+                       decode_context_parallel_size: int, draft: DraftSpec | None,
+                       num_speculative_tokens: int, max_model_len: int,
+                       limits: EngineLimits) -> tuple[ReserveTerm, ...]:
+    """HBM a GPU holds beside vLLM's `gpu_memory_utilization` share."""
+    terms = []
+    if limits.draft_attention_backend == "TRITON_MLA" and draft is not None:
+        if not hardware.compute_units or not draft.num_attention_heads:
+            raise ValueError(f"draft attention TRITON_MLA: its workspace needs {hardware.name}'s "
+                             f"compute units and {draft.name}'s attention heads")
+        heads = draft.num_attention_heads // tensor_parallel_size * decode_context_parallel_size
+        terms.append(ReserveTerm(
+            "triton_mla_workspace (every GPU)", triton_mla_workspace_bytes(
+                limits.max_num_seqs, 1 + num_speculative_tokens, heads, max_model_len,
+                hardware.compute_units, draft.kv_lora_rank),
+            "vllm: v1/attention/backends/mla/triton_mla.py _reserve_attn_logits_workspace, "
+            "max_num_seqs x (1+k) rows x heads per rank x splits "
+            f"({triton_mla_num_kv_splits(max_model_len, hardware.compute_units)}) x "
+            "(kv_lora_rank+1) x 4 B; reserved after vLLM's memory profiling "
+            "(v1/worker/gpu/cudagraph_utils.py), so outside gpu_memory_utilization"))
+    if limits.encoder_gpu_memory_utilization:
+        terms.append(ReserveTerm(
+            "vision_encoder_engine (one GPU)",
+            limits.encoder_gpu_memory_utilization * hardware.hbm_bytes_per_gpu,
+            "input: vision.encoder.gpu_memory_utilization x HBM, the encoder-only vLLM engine "
+            "beside one TP rank (vision.encoder.num_gpus)"))
+    return tuple(terms)
+
+
 def runtime_reserve_terms(model: ModelSpec) -> tuple[ReserveTerm, ...]:
     return tuple(ReserveTerm(a.name, a.value, a.source) for a in model.runtime_reserve)
 
@@ -497,14 +570,18 @@ def plan(model: ModelSpec, hardware: HardwareSpec, tensor_parallel_size: int = 8
          contexts: tuple[int, ...] = (8192, 131072, 1048576), *,
          gpu_memory_utilization: float = 0.9, draft: DraftSpec | None = None,
          kv_cache: KVCacheSettings = KVCacheSettings(), roofline_context_len: int = 8192,
-         roofline_batch_sizes: tuple[int, ...] = (1, 64)) -> Plan:
+         roofline_batch_sizes: tuple[int, ...] = (1, 64),
+         limits: EngineLimits = EngineLimits()) -> Plan:
     """Capacity of one engine with `tensor_parallel_size` GPUs of one node.
 
     `gpu_memory_utilization` is vLLM's: the engine may use that fraction of each GPU's HBM.
     `draft` adds a speculative draft's weights and MLA KV layers; `kv_cache` holds the engine
     settings that size KDA state (speculative tokens, prefix caching). Concurrency is at
     `decode_context_parallel_size`; `max_context_requests` shows one `model.max_context_len`-token
-    request at every DCP size dividing TP. Raises ValueError on a layout vLLM would refuse.
+    request at every DCP size dividing TP. `limits` adds what vLLM holds outside its share (a
+    TRITON_MLA draft's workspace, the encoder engine's share of one GPU) and the request length
+    vLLM checks at start. Raises ValueError on a layout vLLM would refuse, on a GPU those do not
+    fit, and where one `max_model_len` request does not fit the KV pool (vLLM refuses to start).
     Example: see the module docstring.
     """
     _validate(model, hardware, tensor_parallel_size, decode_context_parallel_size, contexts,
@@ -517,6 +594,12 @@ def plan(model: ModelSpec, hardware: HardwareSpec, tensor_parallel_size: int = 8
     used = weight_per_gpu + reserve_total
     pool = gpu_memory_utilization * hardware.hbm_bytes_per_gpu - used
     layout = hybrid_kv_layout(model, tp, kv_cache, draft)
+    max_model_len = limits.max_model_len or model.max_context_len
+    outside = outside_pool_terms(hardware, tp, dcp, draft, kv_cache.num_speculative_tokens,
+                                 max_model_len, limits)
+    left = (1 - gpu_memory_utilization) * hardware.hbm_bytes_per_gpu - sum(
+        t.bytes_per_gpu for t in outside)
+    _check_fits(layout, pool, left, max_model_len, dcp, outside, gpu_memory_utilization)
     kv_token = layout.num_mla_layers * layout.mla_bytes_per_token_per_layer
     state_seq = model.num_kda_layers * kda_state_bytes_per_layer(
         model, 1, kv_cache.num_speculative_tokens)
@@ -525,10 +608,9 @@ def plan(model: ModelSpec, hardware: HardwareSpec, tensor_parallel_size: int = 8
         gpu_memory_utilization, kv_cache.num_speculative_tokens, kv_cache.mamba_cache_mode,
         language_model_params(model), activated_params(model),
         shares, sum(s.bytes_total for s in shares), weight_per_gpu,
-        reserve, reserve_total, used, pool, layout,
+        reserve, reserve_total, used, pool, max_model_len, outside, left, layout,
         kv_token, kv_token / dcp, state_seq, state_seq / tp,
-        tuple(request_footprint(layout, model.max_context_len, tp, d, pool)
-              for d in _divisors(tp)),
+        tuple(request_footprint(layout, max_model_len, tp, d, pool) for d in _divisors(tp)),
         tuple(_concurrency_row(layout, c, dcp, pool) for c in contexts),
         tuple(decode_roofline(model, hardware, b, roofline_context_len, tp, dcp)
               for b in roofline_batch_sizes),
@@ -537,6 +619,27 @@ def plan(model: ModelSpec, hardware: HardwareSpec, tensor_parallel_size: int = 8
         + _plan_assumptions(model, tp, dcp, gpu_memory_utilization, kv_cache, layout,
                             roofline_context_len, roofline_batch_sizes),
     )
+
+
+def _check_fits(layout: HybridKVLayout, pool: float, hbm_left: float, max_model_len: int,
+                decode_context_parallel_size: int, outside: tuple[ReserveTerm, ...],
+                gpu_memory_utilization: float) -> None:
+    if hbm_left < 0:
+        held = ", ".join(f"{t.name} {t.bytes_per_gpu / GB:.2f} GB" for t in outside)
+        raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} leaves "
+                         f"{(hbm_left + sum(t.bytes_per_gpu for t in outside)) / GB:.2f} GB of a "
+                         f"GPU, and vLLM holds more beside it ({held}): lower "
+                         f"gpu_memory_utilization by {-hbm_left / GB:.2f} GB of the GPU or more")
+    needed = request_bytes_per_gpu(layout, max_model_len, decode_context_parallel_size)
+    usable = max(0.0, pool - layout.bytes_per_block * NULL_BLOCKS)
+    if needed > usable:
+        # v1/core/kv_cache_utils.py _check_enough_kv_cache_memory, which stops the engine at start.
+        raise ValueError(f"To serve at least one request with the model's max seq len "
+                         f"({max_model_len}), {needed / GB:.2f} GB KV cache is needed per GPU, "
+                         f"which is larger than the available KV cache memory "
+                         f"({usable / GB:.2f} GB): vLLM would refuse to start; lower "
+                         "max_model_len, raise gpu_memory_utilization or "
+                         "decode_context_parallel_size")
 
 
 def _concurrency_row(layout: HybridKVLayout, context_len: int, decode_context_parallel_size: int,

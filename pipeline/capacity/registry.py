@@ -41,6 +41,9 @@ BRIEF_USED_BYTES_PER_GPU_AT_START = Assumption(
 # Engine settings of configs/mi355x-k3.1-pro.yaml and the K3 recipes the planner sizes by default.
 K3_RECIPE_NUM_SPECULATIVE_TOKENS = 7  # K3 DSpark recipes; lightseekorg/kimi-k3-dspark: "up to 7"
 K3_MAX_NUM_BATCHED_TOKENS = 4096  # configs/mi355x-k3.1-pro.yaml engine.max_num_batched_tokens
+K3_MAX_NUM_SEQS = 128  # engine.max_num_seqs
+K3_DRAFT_ATTENTION_BACKEND = "TRITON_MLA"  # draft.attention_backend
+K3_ENCODER_GPU_MEMORY_UTILIZATION = 0.04  # vision.encoder.gpu_memory_utilization
 
 
 def k3_kv_cache_settings(num_speculative_tokens: int = K3_RECIPE_NUM_SPECULATIVE_TOKENS,
@@ -316,7 +319,11 @@ def _k3_dspark() -> DraftSpec:
     return DraftSpec(
         name="kimi-k3-dspark", param_groups=groups, num_mla_layers=n,
         kv_lora_rank=c["kv_lora_rank"], qk_rope_head_dim=c["qk_rope_head_dim"],
+        num_attention_heads=c["num_attention_heads"],
         assumptions=(
+            Assumption("draft_num_attention_heads", c["num_attention_heads"], "heads",
+                       f"{K3_DSPARK_SOURCE} num_attention_heads; a TRITON_MLA workspace is sized "
+                       "by the heads per TP rank"),
             Assumption("draft_num_mla_layers", n, "layers",
                        f"{K3_DSPARK_SOURCE} num_hidden_layers; each K3DSparkDecoderLayer's MLA "
                        "returns an MLAAttentionSpec like the target's, so its KV joins the MLA "
@@ -335,8 +342,11 @@ def _nominal_weight_inputs(group_records: tuple[Assumption, ...]) -> tuple[str, 
 def _mi355x() -> HardwareSpec:
     return HardwareSpec(
         name="mi355x", gpus_per_node=8, hbm_bytes_per_gpu=288 * GB,
-        hbm_bandwidth_bytes_per_s=8e12,
+        hbm_bandwidth_bytes_per_s=8e12, compute_units=256,
         assumptions=(
+            Assumption("compute_units", 256, "CUs per GPU",
+                       "vendor spec: AMD Instinct MI355X, 256 compute units (vLLM's "
+                       "num_compute_units caps TRITON_MLA's split-KV splits at twice this)"),
             Assumption("gpus_per_node", 8, "GPUs", "brief"),
             Assumption("hbm_bytes_per_gpu", 288 * GB, "bytes",
                        "brief: 288 GB HBM3E, read as 1e9-byte GB because the brief's ~199 GB is "

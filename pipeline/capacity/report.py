@@ -106,6 +106,10 @@ def _format_memory(p: Plan) -> str:
     rows += [("used at start (derived)", _gb(p.used_bytes_per_gpu_at_start), ""),
              ("KV/state pool", _gb(p.kv_pool_bytes_per_gpu),
               "gpu_memory_utilization * HBM - used at start")]
+    rows += [(f"outside the pool: {t.name}", _gb(t.bytes_per_gpu), t.source)
+             for t in p.outside_pool]
+    rows += [("HBM left on the busiest GPU", _gb(p.hbm_left_bytes_per_gpu),
+              "(1 - gpu_memory_utilization) * HBM - outside the pool")]
     per_token = (f"KV per token: {p.kv_bytes_per_token:,.0f} B (all MLA layers incl. draft, one "
                  f"copy, no indexer key); {p.kv_bytes_per_token_per_gpu:,.0f} B per GPU at "
                  f"DCP={p.decode_context_parallel_size}")

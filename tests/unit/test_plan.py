@@ -17,6 +17,7 @@ import moonserve.pipeline.capacity.report
 from moonserve.pipeline.capacity.plan import (
     SOURCE_PREFIXES,
     Assumption,
+    EngineLimits,
     HardwareSpec,
     KVCacheSettings,
     ModelSpec,
@@ -297,7 +298,9 @@ def test_brief_is_printed_not_enforced():
     assert b.residual_bytes_per_gpu == pytest.approx(p.used_bytes_per_gpu_at_start - 199e9)
     heavy = dataclasses.replace(K3, runtime_reserve=K3.runtime_reserve + (
         Assumption("extra", 50e9, "bytes", "assumption: test because test"),))
-    moved = compare_with_brief(plan(heavy, MI355X, draft=DSPARK, kv_cache=K3_KV),
+    # (50 GB more leaves no room for one 1M-token request: planned at 128k.)
+    moved = compare_with_brief(plan(heavy, MI355X, draft=DSPARK, kv_cache=K3_KV,
+                                    limits=EngineLimits(max_model_len=131072)),
                                BRIEF_USED_BYTES_PER_GPU_AT_START)
     assert moved.residual_bytes_per_gpu == pytest.approx(b.residual_bytes_per_gpu + 50e9)
 
@@ -417,7 +420,10 @@ def test_planner_defaults_follow_the_production_config():
     """The reserve is sized by the production engine's batch and the draft's k: they must move
     together when the config changes."""
     from moonserve.pipeline.capacity.registry import (
+        K3_DRAFT_ATTENTION_BACKEND,
+        K3_ENCODER_GPU_MEMORY_UTILIZATION,
         K3_MAX_NUM_BATCHED_TOKENS,
+        K3_MAX_NUM_SEQS,
         K3_RECIPE_NUM_SPECULATIVE_TOKENS,
     )
     from moonserve.pipeline.config import load_app_config
@@ -426,3 +432,90 @@ def test_planner_defaults_follow_the_production_config():
     app = load_app_config(REPO / "configs" / "mi355x-k3.1-pro.yaml")
     assert K3_MAX_NUM_BATCHED_TOKENS == app.language_model.engine.max_num_batched_tokens
     assert K3_RECIPE_NUM_SPECULATIVE_TOKENS == app.draft.num_speculative_tokens
+    assert K3_MAX_NUM_SEQS == app.language_model.engine.max_num_seqs
+    assert K3_DRAFT_ATTENTION_BACKEND == app.draft.attention_backend
+    assert K3_ENCODER_GPU_MEMORY_UTILIZATION == app.vision.encoder.gpu_memory_utilization
+
+
+# ---- memory vLLM holds outside gpu_memory_utilization; the start-time check ------------------
+
+
+def test_triton_mla_splits_are_vllms(monkeypatch):
+    """vLLM's own `_compute_num_kv_splits`, run here with triton's `next_power_of_2` (the CPU
+    build's triton is a stub without it)."""
+    from vllm.v1.attention.backends.mla import triton_mla
+
+    from moonserve.pipeline.capacity.plan import triton_mla_num_kv_splits
+
+    monkeypatch.setattr(triton_mla.triton, "next_power_of_2", lambda n: 1 << (n - 1).bit_length(),
+                        raising=False)
+    for max_model_len in (1, 511, 512, 1000, 8192, 131072, 1_048_576):
+        for compute_units in (4, 132, 256, 304):
+            assert triton_mla_num_kv_splits(max_model_len, compute_units) == \
+                triton_mla._compute_num_kv_splits(max_model_len, compute_units)
+
+
+def test_the_triton_mla_workspace_is_the_shape_vllm_reserves():
+    """The reservation in vLLM's source: [max_num_seqs * reorder_batch_threshold, heads x DCP,
+    splits at max_model_len, kv_lora_rank + 1] float32; at the production settings, 8.6 GB per
+    GPU on MI355X (128 seqs x 8 query tokens, 64 draft heads / TP 8, 512 splits, 513 x 4 B)."""
+    import inspect
+
+    from vllm.v1.attention.backends.mla import triton_mla
+
+    source = inspect.getsource(triton_mla.TritonMLAMetadataBuilder._reserve_attn_logits_workspace)
+    for term in ("scheduler_config.max_num_seqs", "* self.reorder_batch_threshold",
+                 "self.num_heads * self.dcp_world_size", "self.model_config.max_model_len",
+                 "kv_lora_rank + 1", "((B, q_num_heads, max_splits, lse_dim), torch.float32)"):
+        assert term in source
+    p = k3_plan(limits=EngineLimits(draft_attention_backend="TRITON_MLA"))
+    workspace = {t.name: t.bytes_per_gpu for t in p.outside_pool}
+    assert workspace == {"triton_mla_workspace (every GPU)": 128 * 8 * 8 * 512 * 513 * 4}
+    assert workspace["triton_mla_workspace (every GPU)"] == 8_606_711_808
+    # Outside vLLM's share: the KV pool is the same, the GPU has that much less left.
+    plain = k3_plan()
+    assert p.kv_pool_bytes_per_gpu == plain.kv_pool_bytes_per_gpu
+    assert p.hbm_left_bytes_per_gpu == pytest.approx(plain.hbm_left_bytes_per_gpu - 8_606_711_808)
+
+
+def test_a_gpu_that_cannot_hold_the_share_the_workspace_and_the_encoder_is_refused():
+    limits = EngineLimits(draft_attention_backend="TRITON_MLA", encoder_gpu_memory_utilization=0.04)
+    assert k3_plan(limits=limits, gpu_memory_utilization=0.9).hbm_left_bytes_per_gpu > 0
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.95 leaves 14.40 GB of a GPU, "
+                                         r"and vLLM holds more beside it \(triton_mla_workspace"):
+        k3_plan(limits=limits, gpu_memory_utilization=0.95)
+
+
+def test_one_max_model_len_request_that_does_not_fit_is_refused_as_vllm_refuses_it():
+    """vLLM's start-time check (v1/core/kv_cache_utils.py `_check_enough_kv_cache_memory`)."""
+    import inspect
+
+    from vllm.v1.core import kv_cache_utils
+
+    wording = "To serve at least one request with the model's max seq len"
+    assert wording in inspect.getsource(kv_cache_utils._check_enough_kv_cache_memory)
+    with pytest.raises(ValueError, match=wording + r" \(1048576\), 18.\d\d GB KV cache is needed"):
+        k3_plan(gpu_memory_utilization=0.74)
+    shorter = k3_plan(gpu_memory_utilization=0.74, limits=EngineLimits(max_model_len=131072))
+    assert shorter.max_model_len == 131072 and shorter.max_context_requests[0].fits_on_one_node
+
+
+def test_plan_counts_what_the_production_config_puts_beside_the_engine():
+    import subprocess
+    import sys
+
+    from moonserve.pipeline.config import load_app_config
+    from tests.conftest import REPO
+
+    config = REPO / "configs" / "mi355x-k3.1-pro.yaml"
+    app = load_app_config(config)
+    out = subprocess.run([sys.executable, "-m", "moonserve.pipeline.app.cli", "plan", "--json",
+                          "--config", str(config)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    outside = {t["name"]: t["bytes_per_gpu"] for t in result["outside_pool"]}
+    assert outside["vision_encoder_engine (one GPU)"] == pytest.approx(
+        app.vision.encoder.gpu_memory_utilization * MI355X.hbm_bytes_per_gpu)
+    assert outside["triton_mla_workspace (every GPU)"] == 8_606_711_808
+    assert result["max_model_len"] == app.language_model.engine.max_model_len
+    assert 0 < result["hbm_left_bytes_per_gpu"] < 10e9
