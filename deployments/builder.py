@@ -130,6 +130,13 @@ def cpu_options(options: DeploymentOptions, num_gpus: float = 0.0,
     return {**options.serve_options(drain_s), "ray_actor_options": actor}
 
 
+def encoder_env(lm: LanguageModelConfig) -> dict[str, str]:
+    """The encoder engine's environment: the LM's (`language_model.env`: the platform's kernel
+    settings, ROCm/AITER in production), so the tower runs on the kernels the LM's engine would
+    use; less vLLM's Ray-executor variables, which only a TP>1 engine reads."""
+    return {name: value for name, value in lm.env.items() if not name.startswith("VLLM_RAY_")}
+
+
 def bind_vision(vision: VisionConfig, lm: LanguageModelConfig,
                 lm_path: str) -> tuple[Application, Application]:
     """The ImagePreprocessor and VisionEncoder; with `handover: encoder_cache` the encoder is an
@@ -139,6 +146,8 @@ def bind_vision(vision: VisionConfig, lm: LanguageModelConfig,
         ImagePreprocessor, name="ImagePreprocessor", **cpu_options(vision.preprocessor.deployment)
     ).bind(config=vision.preprocessor, decoded_only=engine_cache)
     options = cpu_options(vision.encoder.deployment, vision.encoder.num_gpus)
+    if engine_cache and encoder_env(lm):
+        options["ray_actor_options"]["runtime_env"] = {"env_vars": encoder_env(lm)}
     if engine_cache:
         encoder = serve.deployment(EngineVisionEncoder, name="VisionEncoder", **options).bind(
             config=vision.encoder, engine=lm.engine, model_path=lm_path)
@@ -186,7 +195,8 @@ def build_app(args: AppConfig) -> Application:
     model_path = resolve_model_path(args.language_model)
     drain_s = args.drain_s()
     images = None if args.vision is None or args.vision.handover != "encoder_cache" else \
-        ImageInput(args.vision.encoder.store, args.router.limits.max_images)
+        ImageInput(args.vision.encoder.store, args.router.limits.max_images,
+                   args.vision.encoder.store_max_bytes)
     language_model = bind_language_model(args.language_model, model_path, draft=args.draft,
                                          drain_s=drain_s, images=images)
     trust = args.language_model.engine.trust_remote_code

@@ -162,6 +162,7 @@ class ImageInput:
 
     store: str
     max_images: int
+    max_bytes: int | None = None  # the store's bound (vision.encoder.store_max_bytes)
 
 
 def image_engine_args(images: ImageInput | None, modality: str | None) -> dict:
@@ -381,20 +382,30 @@ class LanguageModel:
         """`vision.handover: encoder_cache`: each image's run of placeholders back to one token
         (vLLM's processor expands it again, by its own count), and the images under their keys.
         An encoder output missing from this node's store (the encoder ran on another node) is
-        fetched and stored first, so the engine never runs the tower for it."""
+        fetched from where the encoder stored it and stored here first, within the store's bound,
+        so the engine does not run the tower for it; one that cannot be fetched is encoded by the
+        engine (its tower is loaded for that)."""
         from vllm.inputs import TokensPrompt
 
         from moonserve.pipeline.api.placeholders import collapse_placeholders
-        from moonserve.pipeline.engine.ec_connector import has, put
+        from moonserve.pipeline.engine.ec_connector import evict, fetch_from, has, put
 
-        keys = list(request.image_hashes)
-        for key, output in zip(keys, request.encoder_outputs, strict=True):
-            if not has(self.images.store, key):
-                import ray
-
-                put(self.images.store, key, ray.get(output))
+        uuids = list(request.image_hashes)
+        keys = self.image_format.store_keys(uuids, self.engine.model_config)
+        for key, stored in zip(keys, request.encoder_outputs, strict=True):
+            if has(self.images.store, key):
+                continue
+            try:
+                put(self.images.store, key, fetch_from(stored.node_id, stored.store, key))
+            except Exception as exc:  # evicted there, or that node is gone: the engine encodes
+                logger.warning("image %s: its encoder output could not be fetched from node %s "
+                               "(%s); the engine encodes it", key[:16], stored.node_id[:12],
+                               type(exc).__name__)
+                continue
+            if self.images.max_bytes is not None:
+                evict(self.images.store, self.images.max_bytes)
         ids = collapse_placeholders(request.prompt_token_ids, request.image_placeholder_id)
-        return TokensPrompt(prompt_token_ids=ids, **self.image_format.multi_modal(images, keys))
+        return TokensPrompt(prompt_token_ids=ids, **self.image_format.multi_modal(images, uuids))
 
     async def generate_to(self, request: GenerateRequest, address: ChannelAddress,
                           *image_embeds) -> int:

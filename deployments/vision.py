@@ -125,14 +125,14 @@ class EngineVisionEncoder:
     """The VisionEncoder with `vision.handover: encoder_cache`.
 
     Each image is one request to an encoder-only vLLM engine (`ec_producer`) whose prompt is the
-    model's placeholder text; the engine stops it once the image is encoded, and its connector has
-    stored the output in `config.store` under the image's SHA-256 (the key the LanguageModel sends
-    as the image's `multi_modal_uuids`). Concurrent requests are batched by the engine itself. An
-    image already in the store is not encoded again, and concurrent requests for one image share
-    one encoding. `encode` returns a `StoredEncoding`: the key, and the stored output (a tensor
-    [num_image_tokens, text hidden] in the engine's dtype) put in the object store, which the
-    LanguageModel fetches only when its own node's store lacks the entry (an encoder on another
-    node); the Router passes it on without reading it.
+    model's placeholder text, with the image's SHA-256 as its `multi_modal_uuids` (the key the
+    LanguageModel sends too); the engine stops it once the image is encoded, and its connector has
+    stored the output in `config.store` under vLLM's hash of that item (`ImageFormat.store_keys`:
+    the uuid while requests carry no processor kwargs). Concurrent requests are batched by the
+    engine itself. An image already in the store is not encoded again, and concurrent requests for
+    one image share one encoding. `encode` returns a `StoredEncoding`: the uuid, the output's
+    rows, and where it is stored (this node, `config.store`); nothing is put in Ray's object store
+    (a LanguageModel on another node fetches the entry from here, `ec_connector.fetch_from`).
     """
 
     def __init__(self, config: VisionEncoderConfig, engine: EngineConfig, model_path: str):
@@ -141,39 +141,41 @@ class EngineVisionEncoder:
         from moonserve.pipeline.engine.image_format import image_format
         from moonserve.pipeline.metrics import make_metric
 
+        import ray
+
         self.store = config.store
         self.format = image_format(model_path)
         self.engine = AsyncLLM.from_engine_args(
             encoder_engine_args(config, engine, model_path, self.format.modality))
+        self.node_id = ray.get_runtime_context().get_node_id()
         self.pending: dict[str, asyncio.Task] = {}
         self.counts = {"hits": 0, "misses": 0, "encoded": 0}
         self.latency = make_metric("moonserve_image_encode_seconds")
         self.lookups = make_metric("moonserve_encoder_cache")
 
     async def encode(self, info: ImageInfo) -> StoredEncoding:
-        import ray
+        from moonserve.pipeline.engine.ec_connector import has, num_rows
 
-        from moonserve.pipeline.engine.ec_connector import get, has
-
-        key = info.content_hash
+        uuid = info.content_hash
+        [key] = self.format.store_keys([uuid], self.engine.model_config)
         hit = has(self.store, key)
         self.counts["hits" if hit else "misses"] += 1
         self.lookups.inc(tags={"result": "hit" if hit else "miss"})
         if not hit:
-            await shared_encoding(self.pending, key, lambda: self.run_engine(info))
-        output = await asyncio.to_thread(get, self.store, key)
-        return StoredEncoding(key, output.shape[0], ray.put(output))
+            await shared_encoding(self.pending, key, lambda: self.run_engine(info, key))
+        rows = await asyncio.to_thread(num_rows, self.store, key)
+        return StoredEncoding(uuid, rows, self.node_id, self.store)
 
-    async def run_engine(self, info: ImageInfo) -> None:
+    async def run_engine(self, info: ImageInfo, key: str) -> None:
+        """Encode `info`'s image; its output is then in the store under `key`."""
         import uuid
 
         from vllm import SamplingParams
 
         from moonserve.pipeline.engine.ec_connector import has
 
-        key = info.content_hash
         prompt = {"prompt": self.format.placeholder_text,
-                  **self.format.multi_modal([await info.image], [key])}
+                  **self.format.multi_modal([await info.image], [info.content_hash])}
         began = time.monotonic()
         async for _ in self.engine.generate(prompt, SamplingParams(max_tokens=1),
                                             f"encode-{key[:16]}-{uuid.uuid4().hex[:8]}"):

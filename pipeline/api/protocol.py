@@ -514,8 +514,8 @@ class GenerateRequest:
     # each image's content hash, in prompt order, and the client's `prompt_cache_key` (or `user`).
     image_hashes: tuple[str, ...] = ()
     cache_key: str | None = None
-    # vision.handover encoder_cache: ObjectRefs of each image's encoder output (nested, so Ray does
-    # not fetch them), read only when the LM's node store lacks the image's entry.
+    # vision.handover encoder_cache: where each image's encoder output is stored (`StoredEncoding`,
+    # no tensor), fetched from there only by an LM whose node store lacks the image's entry.
     encoder_outputs: tuple = ()
 
 
@@ -539,13 +539,15 @@ class ImageInfo:
 
 @dataclass(frozen=True)
 class StoredEncoding:
-    """VisionEncoder -> Router with `vision.handover: encoder_cache`: the image's output is in the
-    encoder node's store under `key`; `output` is an ObjectRef to the same tensor
-    [num_image_tokens, text hidden], which only a LanguageModel on another node fetches."""
+    """VisionEncoder -> Router -> LanguageModel with `vision.handover: encoder_cache`: the image's
+    output [num_image_tokens, text hidden] is in `store` on the node `node_id` under `key`. A
+    LanguageModel on another node fetches it from there (`ec_connector.fetch_from`); on the same
+    node nothing moves."""
 
     key: str
     num_image_tokens: int
-    output: Any
+    node_id: str
+    store: str
 
 
 # vLLM's server floors every logprob it returns here (`max(logprob, -9999.0)` in its chat and

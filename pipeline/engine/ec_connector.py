@@ -21,7 +21,10 @@ API (all that other modules should use):
   With `max_bytes`, the producer evicts the least recently used entries after each save.
 - `store_path(store, key) -> Path`: the file of one entry.
 - `put(store, key, tensor) -> Path`: write an entry atomically (temp file + rename).
-- `has(store, key) -> bool`; `get(store, key, device="cpu") -> Tensor` (marks the entry used).
+- `has(store, key) -> bool`; `get(store, key, device="cpu") -> Tensor` (marks the entry used);
+  `num_rows(store, key) -> int` (its first dimension, from the file's header; marks it used).
+- `fetch_from(node_id, store, key) -> Tensor`: an entry of another node's store, read there by a
+  Ray task pinned to that node and sent through Ray's object store.
 - `evict(store, max_bytes, keep_newer_than_s=60.0) -> list[str]`: drop least recently used
   entries until the store holds at most `max_bytes`; entries used in the last `keep_newer_than_s`
   stay (a consumer's scheduler may have promised them to its worker).
@@ -107,6 +110,34 @@ def get(store: str | Path, key: str, device: str | torch.device = "cpu") -> torc
     tensor = safetensors.torch.load_file(path, device=str(device))[TENSOR_NAME]
     touch(path)
     return tensor
+
+
+def num_rows(store: str | Path, key: str) -> int:
+    """The entry's [num_tokens, hidden] first dimension, read from its header only (no tensor
+    data); marks the entry used. FileNotFoundError if there is none."""
+    path = store_path(store, key)
+    with safetensors.safe_open(path, framework="pt") as entry:
+        rows = entry.get_slice(TENSOR_NAME).get_shape()[0]
+    touch(path)
+    return rows
+
+
+_remote_get = None
+
+
+def fetch_from(node_id: str, store: str | Path, key: str) -> torch.Tensor:
+    """`get(store, key)` run on the node `node_id` (where the entry is, in that node's shared
+    memory), its tensor sent here through Ray's object store: the only way an encoder output
+    crosses nodes. Raises what `get` raised there (FileNotFoundError: evicted meanwhile)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    global _remote_get
+    if _remote_get is None:
+        _remote_get = ray.remote(num_cpus=0, max_retries=0)(get)
+    task = _remote_get.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id,
+                                                                                   soft=False))
+    return ray.get(task.remote(str(store), key))
 
 
 def touch(path: Path) -> bool:

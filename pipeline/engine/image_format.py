@@ -64,6 +64,25 @@ class ImageFormat:
             return "", ""
         return f"<|media_begin|>image {width}x{height}<|media_content|>", "<|media_end|>"
 
+    def store_keys(self, keys: list[str], model_config) -> list[str]:
+        """The key each image's encoder output has in the encoder-cache store: the `mm_hash`
+        vLLM's engines hand the EC connector for a request `multi_modal` makes from `keys`,
+        computed by vLLM's own `ProcessorInputs.get_mm_hashes` with the engine's model id and
+        hasher (`model_config`). It is the uuid itself while the request carries no processor
+        kwargs; a kwarg that changes vLLM's hash changes this key with it. vLLM hashes a given
+        uuid, not the image, so a 1x1 image stands in for each item."""
+        from PIL import Image
+        from vllm.multimodal.parse import MultiModalDataParser
+        from vllm.multimodal.processing.inputs import ProcessorInputs
+
+        prompt = self.multi_modal([Image.new("RGB", (1, 1))] * len(keys), keys)
+        items = MultiModalDataParser().parse_mm_data(prompt["multi_modal_data"])
+        inputs = ProcessorInputs([], items, prompt["multi_modal_uuids"],
+                                 prompt.get("mm_processor_kwargs", {}))
+        hashes = inputs.get_mm_hashes(model_config.model,
+                                      model_config.multimodal_config.mm_hasher_algorithm)
+        return list(hashes[self.modality])
+
     def multi_modal(self, images: list, keys: list[str]) -> dict:
         items = [{"type": "image", "image": image, "uuid": key} if self.chunk_items else image
                  for image, key in zip(images, keys, strict=True)]

@@ -84,15 +84,15 @@ class EncodingImages:
         """What the LanguageModel call carries, once every encoding exists: (its top-level
         arguments, `GenerateRequest.encoder_outputs`). Prompt embeddings: the outputs at the top
         level (Ray fetches them for the LM), none nested. `engine_cache`: the decoded images at
-        the top level, the outputs (`StoredEncoding.output`) nested, fetched only by a
-        LanguageModel whose node store lacks them."""
+        the top level, and where each output is stored (`StoredEncoding`, no tensor), fetched
+        from there only by a LanguageModel whose node store lacks it."""
         refs = await self.embeddings()
         if not engine_cache:
             return refs, ()
-        stored = [await ref for ref in refs]  # StoredEncoding: small, the output stays a ref
+        stored = [await ref for ref in refs]
         for info, encoding in zip(self.infos, stored):
             warn_on_count_mismatch(info, encoding.num_image_tokens)
-        return [info.image for info in self.infos], tuple(s.output for s in stored)
+        return [info.image for info in self.infos], tuple(stored)
 
     async def embeddings(self) -> list:
         """ObjectRefs of the encoder outputs, once all exist (a failed encoding raises here)."""

@@ -164,21 +164,21 @@ def test_text_only_requests_still_reach_the_engine_as_tokens(client, serve_calls
     assert serve_calls("LanguageModel", "collective_rpc", "image_probe_report")[0]["prefills"] == []
 
 
-def generate_with_encoder_output(prompt_ids: list[int], pad_id: int, key: str,
-                                 rows: list[list[float]], png: bytes) -> int:
-    """In the `serve_calls` child: what a Router does when the VisionEncoder ran on another node
-    (the LM's store lacks the entry): the encoder's output only as an ObjectRef in the request."""
+def generate_with_encoder_output(prompt_ids: list[int], pad_id: int, key: str, num_rows: int,
+                                 encoder_store: str, png: bytes) -> int:
+    """In the `serve_calls` child: what a Router sends when the VisionEncoder ran on another node
+    (the LM's store lacks the entry): where the encoder stored it, `encoder_store` on this node."""
     import ray
     from ray import serve
 
-    from moonserve.pipeline.api.protocol import GenerateRequest, SamplingSpec
+    from moonserve.pipeline.api.protocol import GenerateRequest, SamplingSpec, StoredEncoding
 
     if not ray.is_initialized():
         ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+    stored = StoredEncoding(key, num_rows, ray.get_runtime_context().get_node_id(), encoder_store)
     request = GenerateRequest(
         "remote-encoder-1", prompt_ids, SamplingSpec(max_tokens=2, temperature=0.0),
-        image_placeholder_id=pad_id, image_hashes=(key,),
-        encoder_outputs=(ray.put(torch.tensor(rows, dtype=torch.bfloat16)),))
+        image_placeholder_id=pad_id, image_hashes=(key,), encoder_outputs=(stored,))
     image = Image.open(io.BytesIO(png)).convert("RGB")
     lm = serve.get_deployment_handle("LanguageModel", app_name="moonserve")
 
@@ -201,20 +201,22 @@ def generate_with_encoder_output(prompt_ids: list[int], pad_id: int, key: str,
     return asyncio.run(generate())
 
 
-def test_an_output_missing_from_the_lms_node_store_comes_from_the_encoders_reply(
-        first, serve_calls, app):
-    """As if the encoder ran on another node: the LM stores the output it was handed before the
-    engine looks, so the engine still never encodes, and its rows are the handed-over ones."""
+def test_an_output_missing_from_the_lms_node_store_is_fetched_from_where_the_encoder_put_it(
+        first, serve_calls, app, tmp_path):
+    """As if the encoder ran on another node: the entry is only in the encoder's store (another
+    folder here), which the request names. The LM fetches it from there (a Ray task on that node)
+    and stores it before the engine looks, so the engine still never encodes, and its rows are
+    the encoder's."""
     key = sha256(first["png"])
     stored = get(app.store, key)
     prefill = first["probe"]["prefills"][0]
-    entry = app.store / key
-    for path in entry.iterdir():
-        path.unlink()
-    entry.rmdir()
-    assert not has(app.store, key)
+    encoder_store = tmp_path / "encoder-node-store"
+    encoder_store.mkdir()
+    (app.store / key).rename(encoder_store / key)
+    assert not has(app.store, key) and has(encoder_store, key)
     num_tokens = serve_calls.pool.apply(generate_with_encoder_output, (
-        prefill["input_ids"], token_id(MEDIA_PAD), key, stored.float().tolist(), first["png"]))
+        prefill["input_ids"], token_id(MEDIA_PAD), key, stored.shape[0], str(encoder_store),
+        first["png"]))
     assert num_tokens == 2
     assert has(app.store, key) and torch.equal(get(app.store, key), stored)
     probe = serve_calls("LanguageModel", "collective_rpc", "image_probe_report")[0]

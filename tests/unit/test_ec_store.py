@@ -40,3 +40,83 @@ def test_evict_drops_least_recently_used_first(tmp_path):
     assert evict(tmp_path, max_bytes=2 * size, keep_newer_than_s=0) == ["mid"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["new", "old"]
     assert evict(tmp_path, max_bytes=0) == ["new"]  # "old" was used within keep_newer_than_s
+
+
+def test_num_rows_reads_the_header_and_marks_the_entry_used(tmp_path):
+    from moonserve.pipeline.engine.ec_connector import num_rows
+
+    path = put(tmp_path, "a", torch.zeros(37, 8, dtype=torch.bfloat16))
+    os.utime(path, (time.time() - 600, time.time() - 600))
+    assert num_rows(tmp_path, "a") == 37
+    assert path.stat().st_mtime > time.time() - 60
+    with pytest.raises(FileNotFoundError):
+        num_rows(tmp_path, "b")
+
+
+# The LanguageModel's side: entries of images encoded on another node.
+
+
+def lm_with_store(tmp_path, max_bytes):
+    """What `LanguageModel.image_prompt` reads of its replica: the store, the K3 image format and
+    the engine's model config."""
+    from types import SimpleNamespace
+
+    from moonserve.deployments.language_model import ImageInput
+    from moonserve.pipeline.engine.image_format import image_format
+    from moonserve.pipeline.synthetic_checkpoints.k3 import write_k3_config
+
+    model_config = SimpleNamespace(model="/models/k3",
+                                   multimodal_config=SimpleNamespace(mm_hasher_algorithm="blake3"))
+    return SimpleNamespace(images=ImageInput(str(tmp_path / "store"), 4, max_bytes),
+                           image_format=image_format(write_k3_config(tmp_path / "k3")),
+                           engine=SimpleNamespace(model_config=model_config))
+
+
+def image_request(key: str, node_id: str = "node-b"):
+    from moonserve.pipeline.api.protocol import GenerateRequest, SamplingSpec, StoredEncoding
+
+    return GenerateRequest(f"r-{key}", [1, 9, 9, 2], SamplingSpec(max_tokens=1),
+                           image_placeholder_id=9, image_hashes=(key,),
+                           encoder_outputs=(StoredEncoding(key, 2, node_id, "/encoder/store"),))
+
+
+def test_an_lm_stores_what_it_fetches_from_another_node_within_the_bound(tmp_path, monkeypatch):
+    from PIL import Image
+
+    from moonserve.deployments.language_model import LanguageModel
+    from moonserve.pipeline.engine import ec_connector
+
+    fetched = []
+
+    def fetch_from(node_id, store, key):
+        fetched.append((node_id, store, key))
+        return torch.ones(2, 1024, dtype=torch.bfloat16)  # 4 KB
+
+    monkeypatch.setattr(ec_connector, "fetch_from", fetch_from)
+    lm = lm_with_store(tmp_path, max_bytes=6000)
+    image = Image.new("RGB", (8, 8))
+    prompt = LanguageModel.image_prompt(lm, image_request("first"), (image,))
+    assert fetched == [("node-b", "/encoder/store", "first")]
+    assert prompt["multi_modal_uuids"] == {"image": ["first"]}
+    assert prompt["prompt_token_ids"] == [1, 9, 2]
+    old = time.time() - 600  # past evict's 60 s grace
+    os.utime(store_path(lm.images.store, "first"), (old, old))
+    LanguageModel.image_prompt(lm, image_request("second"), (image,))
+    assert not has(lm.images.store, "first") and has(lm.images.store, "second")
+    LanguageModel.image_prompt(lm, image_request("second"), (image,))  # stored here: no fetch
+    assert [key for *_, key in fetched] == ["first", "second"]
+
+
+def test_an_output_that_cannot_be_fetched_is_left_to_the_engine(tmp_path, monkeypatch):
+    from PIL import Image
+
+    from moonserve.deployments.language_model import LanguageModel
+    from moonserve.pipeline.engine import ec_connector
+
+    def fetch_from(node_id, store, key):
+        raise FileNotFoundError(key)  # evicted on the encoder's node meanwhile
+
+    monkeypatch.setattr(ec_connector, "fetch_from", fetch_from)
+    lm = lm_with_store(tmp_path, max_bytes=None)
+    prompt = LanguageModel.image_prompt(lm, image_request("gone"), (Image.new("RGB", (8, 8)),))
+    assert prompt["multi_modal_uuids"] == {"image": ["gone"]} and not has(lm.images.store, "gone")

@@ -120,3 +120,29 @@ def test_the_router_counts_a_k3_image_as_vllms_processor_expands_it(k3_processor
     expanded = update.replacement(0).full  # vLLM's tokens for this image
     assert fan_in.counts([info]) == [len(expanded)]
     assert expanded.count(processor.info.media_token_id) == num_tokens
+
+
+@pytest.mark.parametrize("writer", ["k3", "k25"])
+def test_store_keys_are_vllms_hashes_of_what_multi_modal_sends(tmp_path, monkeypatch, writer):
+    """The encoder-cache key is vLLM's own hash of the request's items (the mm_hash its engines
+    hand the EC connector): the uuid itself for the requests moonserve sends, and a request
+    kwarg that changes vLLM's hash changes the key with it."""
+    from types import SimpleNamespace
+
+    from moonserve.pipeline.engine import image_format as module
+    from moonserve.pipeline.synthetic_checkpoints.k3 import write_k3_config
+    from vllm.multimodal.hasher import MultiModalHasher
+
+    checkpoint = write_k3_config(tmp_path / "k3") if writer == "k3" else \
+        write_config(tmp_path / "k25", "KimiK25ForConditionalGeneration")
+    fmt = module.image_format(checkpoint)
+    config = SimpleNamespace(model=str(checkpoint),
+                             multimodal_config=SimpleNamespace(mm_hasher_algorithm="blake3"))
+    assert fmt.store_keys(["a" * 64, "b" * 64], config) == ["a" * 64, "b" * 64]
+    plain = module.ImageFormat.multi_modal
+    monkeypatch.setattr(module.ImageFormat, "multi_modal", lambda self, images, keys: {
+        **plain(self, images, keys), "mm_processor_kwargs": {"max_pixels": 1024}})
+    [key] = fmt.store_keys(["a" * 64], config)
+    assert key == MultiModalHasher.hash_kwargs(
+        "blake3", model_id=str(checkpoint), **{fmt.modality: "a" * 64},
+        mm_processor_kwargs={"max_pixels": 1024})

@@ -93,6 +93,18 @@ def test_image_deployments_ask_for_cpu_and_a_gpu_share(graph):
     assert pre._deployment_config.autoscaling_config.max_replicas == 8
 
 
+def test_the_encoder_engine_gets_the_language_models_rocm_env(graph):
+    """The VisionEncoder's vLLM runs the tower on the GPU it shares with a TP rank: it gets the
+    LM's ROCm/AITER settings, not the Ray executor's (it is one process, TP 1)."""
+    lm_env = graph["LanguageModel"].ray_actor_options["runtime_env"]["env_vars"]
+    encoder_env = graph["VisionEncoder"].ray_actor_options["runtime_env"]["env_vars"]
+    rocm = {n: v for n, v in lm_env.items() if n.startswith(("VLLM_ROCM_", "AITER_"))}
+    assert rocm and rocm.items() <= encoder_env.items()
+    assert encoder_env["VLLM_USE_BREAKABLE_CUDAGRAPH"] == "0"
+    assert not [n for n in encoder_env if n.startswith("VLLM_RAY_")]
+    assert "runtime_env" not in graph["ImagePreprocessor"].ray_actor_options
+
+
 def test_engine_arguments_reach_vllm_as_named(graph):
     from moonserve.deployments.language_model import engine_args
 

@@ -376,6 +376,33 @@ def test_pixel_values_equal_vllm_kimi_k3_preprocessing(vllm_reference, make):
     assert out.num_image_tokens == grid_thw[1] * grid_thw[2] // 4
 
 
+def test_a_transparent_png_reaches_k3s_tower_as_vllm_makes_it(vllm_reference):
+    """`vision.handover: encoder_cache` hands vLLM the ImagePreprocessor's decoded image. A
+    transparent PNG (colours under alpha 0, partial alpha) must give the K3 processor the
+    pixel_values vLLM makes of the same file on its own, in both its paths: the chat server's
+    `ImageMediaIO(image_mode="RGB")` and an RGBA PIL image in a prompt (`MultiModalDataParser`).
+    Both composite on white (vllm/multimodal/image.py `rgba_to_rgb`); keeping the colours under
+    the alpha (`convert("RGB")`) would differ, and the test checks that it does."""
+    from vllm.multimodal.media.image import ImageMediaIO
+    from vllm.multimodal.parse import MultiModalDataParser
+
+    from moonserve.deployments.preprocess import decode_and_count
+
+    rgba = np.random.default_rng(7).integers(0, 256, (37, 53, 4), dtype=np.uint8)
+    rgba[:, :20, 3] = 0  # fully transparent, colours hidden under it
+    data = encode(Image.fromarray(rgba, "RGBA"), "PNG")
+
+    def parsed(image):  # what vLLM's engine does with an image a prompt carries
+        return MultiModalDataParser().parse_mm_data({"image": [image]})["image"].get(0)
+
+    ours = vllm_reference.preprocess(parsed(decode_and_count(data, DEFAULT_CONFIG)[0]))[0]
+    served = vllm_reference.preprocess(ImageMediaIO(image_mode="RGB").load_bytes(data).media)[0]
+    prompted = vllm_reference.preprocess(parsed(Image.open(io.BytesIO(data))))[0]
+    assert torch.equal(ours, served) and torch.equal(ours, prompted)
+    kept = vllm_reference.preprocess(Image.open(io.BytesIO(data)).convert("RGB"))[0]
+    assert not torch.equal(ours, kept)
+
+
 def test_preprocess_layout_on_a_known_image():
     image = Image.new("RGB", (30, 20), RED)  # resized as is; grid 2x4 patches, padded bottom and right
     out = preprocess(image)
