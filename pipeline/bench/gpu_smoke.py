@@ -10,15 +10,28 @@ Checks, in order (each prints {"check", "status": passed|failed|skipped, ...} on
    pipeline/synthetic_checkpoints/k3.py, random bf16 weights from
    pipeline/synthetic_checkpoints/k3_random_weights.py (`SMOKE_DIMS`); the K3 one must pass
    `moonserve check-checkpoint` at TP=1, both must load as vLLM's KimiK3Config / K3DSparkConfig.
-3. config.serve: configs/mi355x-k3.1-pro.yaml with one-GPU overrides (`smoke_app_args`): TP=1,
-   DCP=1, max_model_len 8192, one placement bundle, the tiny paths, an API key, ROCm variables
-   dropped; validated by AppConfig and written as a Ray Serve config file.
+3. <profile>:config.serve, for each profile (`PROFILES`: pro = configs/mi355x-k3.1-pro.yaml,
+   recipe = configs/mi355x-k3.1-recipe.yaml; pro-tp2 where two GPUs exist): that config with
+   small-GPU overrides (`smoke_app_args`): TP=1 (pro-tp2: TP=2 on vLLM's Ray executor), DCP=1,
+   max_model_len 8192, one bundle per rank, the tiny paths, an API key, ROCm variables dropped,
+   a greedy draft, the ImageProbe worker extension; validated by AppConfig and written as a Ray
+   Serve config file.
 4. kernel.*: `python -m moonserve.kernels.{vision_attention,patchify,mxfp4}.gpu_check`,
    `python -m moonserve.pipeline.bench.vision_encoder_gpu`, `pytest -m gpu tests/kernels`, each a
    subprocess with a timeout (their own exit status: 0 passed, 1 failed, 2 no GPU).
-5. serve.*: `moonserve serve --config <written yaml>` (pipeline/app/launch.py ServerProcess), then
-   with the `openai` client a text chat, an image chat (Pillow PNG as a data URL) and a chat with
-   `tools`; a 400 that says tools are unsupported (issue 14) is recorded as `skipped`, not failed.
+5. <profile>:serve.*: `moonserve serve --config <written yaml>` (pipeline/app/launch.py
+   ServerProcess), then with the `openai` client a text chat, an image chat (Pillow PNG as a data
+   URL) and a forced tool call, and what the LanguageModel replica reports (a child process joins
+   the cluster and calls it through a Serve handle). Each fails loudly when its claim fails:
+   - serve.text / serve.image: 200 with completion tokens;
+   - serve.image_tower: the LM's engine ran its vision tower 0 times for the image (the
+     VisionEncoder encoded it; `ImageProbe`), and its prefill had image rows;
+   - serve.tools: a call to the named tool whose arguments are valid against its JSON schema;
+   - serve.drafts: vLLM's spec-decode counters (the replica's `stats`): drafts proposed,
+     draft tokens, and accepted tokens all above 0. The checkpoints have constant logits (their LM
+     head and the draft's Markov head are zero, `k3_random_weights.LOGIT_TENSORS`) and the draft
+     samples greedily, so greedy target and draft agree and acceptance is certain on random
+     weights: 0 accepted means the verification path is broken, not the weights.
 
 `--dry-run` (CPU is enough) does 2 and 3 only. The summary (every line, device, wall time) goes to
 `--out`, default $OUT/gpu_smoke.json when $OUT is set. Exit status: 0 every check passed or was
@@ -47,6 +60,9 @@ from moonserve.pipeline.config import AppConfig, load_serve_config
 
 REPO = Path(__file__).resolve().parents[2]
 PRODUCTION_CONFIG = REPO / "configs" / "mi355x-k3.1-pro.yaml"
+RECIPE_CONFIG = REPO / "configs" / "mi355x-k3.1-recipe.yaml"
+PROFILES = {"pro": PRODUCTION_CONFIG, "recipe": RECIPE_CONFIG}
+PROBE = "moonserve.pipeline.engine.worker_probe.ImageProbe"
 API_KEY = "gpu-smoke-key"
 SERVED_NAME = "kimi-k3-tiny"
 MAX_MODEL_LEN = 8192
@@ -137,7 +153,8 @@ def build_checkpoints(rec: Recorder, workdir: Path) -> tuple[Path, Path] | None:
     k3_dir, dspark_dir = workdir / "kimi-k3-tiny", workdir / "kimi-k3-tiny-dspark"
     began = time.monotonic()
     write_smoke_configs(k3_dir, dspark_dir)
-    counts = {d.name: len(write_random_weights(d)) for d in (k3_dir, dspark_dir)}
+    counts = {d.name: len(write_random_weights(d, constant_logits=True))
+              for d in (k3_dir, dspark_dir)}
     ok = record_k3_checkpoint(rec, k3_dir, counts[k3_dir.name], time.monotonic() - began)
     return (k3_dir, dspark_dir) if record_dspark_checkpoint(rec, dspark_dir) and ok else None
 
@@ -170,8 +187,11 @@ def record_dspark_checkpoint(rec: Recorder, dspark_dir: Path) -> bool:
 
 
 def smoke_app_args(production: dict, k3_dir: Path, dspark_dir: Path,
-                   kv_cache_dtype: str | None = None) -> tuple[dict, list[str]]:
-    """The production app's `args` made to fit one GPU; returns (args, dropped env names)."""
+                   kv_cache_dtype: str | None = None,
+                   tensor_parallel_size: int = 1) -> tuple[dict, list[str]]:
+    """A production profile's `args` made to fit `tensor_parallel_size` small GPUs; returns
+    (args, dropped env names). The draft is the tiny K3 DSpark one in every profile, sampling
+    greedily (with the constant logits of the smoke checkpoints, every draft is then accepted)."""
     args = copy.deepcopy(production)
     router = args.setdefault("router", {})
     router["auth"] = {"enabled": True, "api_keys": [API_KEY]}
@@ -179,11 +199,13 @@ def smoke_app_args(production: dict, k3_dir: Path, dspark_dir: Path,
     lm = args.setdefault("language_model", {})
     lm.setdefault("engine", {}).update(
         model=str(k3_dir), served_model_name=SERVED_NAME, max_model_len=MAX_MODEL_LEN,
-        max_num_batched_tokens=MAX_MODEL_LEN, tensor_parallel_size=1,
-        decode_context_parallel_size=1, max_num_seqs=16, gpu_memory_utilization=0.5)
+        max_num_batched_tokens=MAX_MODEL_LEN, tensor_parallel_size=tensor_parallel_size,
+        decode_context_parallel_size=1, max_num_seqs=16, gpu_memory_utilization=0.5,
+        worker_extension_cls=PROBE)
     if kv_cache_dtype:
         lm["engine"]["kv_cache_dtype"] = kv_cache_dtype
-    lm["placement"] = {"strategy": "STRICT_PACK", "bundles": [{"CPU": 1, "GPU": 0.9}]}
+    lm["placement"] = {"strategy": "STRICT_PACK", "bundles": [
+        {"CPU": 1, "GPU": 0.9}, *[{"GPU": 0.9}] * (tensor_parallel_size - 1)]}
     env = lm.get("env") or {}
     dropped = sorted(k for k in env if k.startswith(ROCM_ENV_PREFIXES))
     lm["env"] = {k: v for k, v in env.items() if k not in dropped}
@@ -191,28 +213,30 @@ def smoke_app_args(production: dict, k3_dir: Path, dspark_dir: Path,
         encoder = args["vision"].setdefault("encoder", {})
         encoder.update(model=str(k3_dir), num_gpus=0.05)
         args["vision"].setdefault("preprocessor", {})["deployment"] = {"num_cpus": 1}
-    args.setdefault("draft", {})["model"] = str(dspark_dir)
+    args.setdefault("draft", {}).update(model=str(dspark_dir), draft_sample_method="greedy")
     return args, dropped
 
 
 def write_serve_config(rec: Recorder, workdir: Path, k3_dir: Path, dspark_dir: Path,
                        port: int, source: Path = PRODUCTION_CONFIG,
-                       kv_cache_dtype: str | None = None) -> Path | None:
-    """Validate the one-GPU app config and write it as a Ray Serve config file."""
+                       kv_cache_dtype: str | None = None, profile: str = "pro",
+                       tensor_parallel_size: int = 1) -> Path | None:
+    """Validate one profile's small-GPU app config and write it as a Ray Serve config file."""
     data = load_serve_config(source)
     app = dict(data["applications"][0])
-    args, dropped = smoke_app_args(app.get("args") or {}, k3_dir, dspark_dir, kv_cache_dtype)
+    args, dropped = smoke_app_args(app.get("args") or {}, k3_dir, dspark_dir, kv_cache_dtype,
+                                   tensor_parallel_size)
     try:
         config = AppConfig.model_validate(args)
     except ValueError as exc:
-        rec.record("config.serve", "failed", source=str(source), reason=str(exc))
+        rec.record(f"{profile}:config.serve", "failed", source=str(source), reason=str(exc))
         return None
     app["args"] = args
-    path = workdir / "gpu-smoke-serve.yaml"
+    path = workdir / f"gpu-smoke-{profile}.yaml"
     path.write_text(yaml.safe_dump({"http_options": {"host": "127.0.0.1", "port": port},
                                     "applications": [app]}, sort_keys=False))
     engine = config.language_model.engine
-    rec.record("config.serve", "passed", path=str(path), source=str(source),
+    rec.record(f"{profile}:config.serve", "passed", path=str(path), source=str(source),
                tensor_parallel_size=engine.tensor_parallel_size, model=engine.model,
                draft=config.draft.speculative_config(), env_dropped=dropped)
     return path
@@ -264,38 +288,52 @@ def png_data_url(size: int = 112) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
+# A closed set of values, so even constant logits make a finite, schema-valid call.
+WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+                  "required": ["city"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Weather of a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}}]
+    "name": "get_weather", "description": "Weather of a city", "parameters": WEATHER_SCHEMA}}]
 REQUESTS: dict[str, dict] = {
     "serve.text": {"messages": [{"role": "user", "content": "Say hello in five words."}]},
     "serve.image": {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "Describe the picture."},
         {"type": "image_url", "image_url": {"url": ""}}]}]},
     "serve.tools": {"messages": [{"role": "user", "content": "Weather in Paris?"}],
-                    "tools": TOOLS},
+                    "tools": TOOLS, "max_tokens": 64,
+                    "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
 }
+# In a child process (joining the server's Ray cluster would tie this one to it): one call of a
+# LanguageModel method through a Serve handle, its result printed as JSON.
+SERVE_CALL = """
+import json, sys
+import ray
+from ray import serve
+ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+lm = serve.get_deployment_handle("LanguageModel", app_name=sys.argv[1])
+print(json.dumps(getattr(lm, sys.argv[2]).remote(*json.loads(sys.argv[3])).result(
+    timeout_s=120), default=str))
+"""
 
 
-def send_request(rec: Recorder, client, check: str, body: dict) -> None:
+def serve_call(app_name: str, method: str, *args) -> object:
+    child = subprocess.run([sys.executable, "-c", SERVE_CALL, app_name, method, json.dumps(args)],
+                           cwd=REPO, capture_output=True, text=True, timeout=180, check=True)
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def send_request(rec: Recorder, client, check: str, body: dict):
+    """One chat request; records `check` (200 with completion tokens) and returns the reply, or
+    None when it failed."""
     import openai
 
     began = time.monotonic()
     try:
-        reply = client.chat.completions.create(model=SERVED_NAME, max_tokens=16, temperature=0,
-                                               **body)
-    except openai.APIStatusError as exc:
-        message = str(exc.message)
-        unsupported = check == "serve.tools" and exc.status_code == 400 and "tool" in \
-            message.lower()
-        rec.record(check, "skipped" if unsupported else "failed", http_status=exc.status_code,
-                   message=message, **({"reason": "tools unsupported (issue 14)"}
-                                       if unsupported else {}))
-        return
+        reply = client.chat.completions.create(
+            model=SERVED_NAME, temperature=0, **{"max_tokens": 16, **body})
     except openai.OpenAIError as exc:
-        rec.record(check, "failed", reason=f"{type(exc).__name__}: {exc}")
-        return
+        rec.record(check, "failed", reason=f"{type(exc).__name__}: {exc}",
+                   http_status=getattr(exc, "status_code", None))
+        return None
     choice = reply.choices[0]
     tokens = reply.usage.completion_tokens if reply.usage else 0
     rec.record(check, "passed" if tokens > 0 else "failed", http_status=200,
@@ -303,28 +341,87 @@ def send_request(rec: Recorder, client, check: str, body: dict) -> None:
                prompt_tokens=reply.usage.prompt_tokens if reply.usage else None,
                finish_reason=choice.finish_reason, text=choice.message.content,
                tool_calls=len(choice.message.tool_calls or []))
+    return reply
+
+
+def judge_tool_call(reply, tool: dict) -> tuple[bool, dict]:
+    """(whether the reply calls `tool` with arguments valid against its schema, the details)."""
+    import jsonschema
+
+    calls = reply.choices[0].message.tool_calls or []
+    if len(calls) != 1 or calls[0].function.name != tool["function"]["name"]:
+        return False, {"reason": f"expected one call of {tool['function']['name']}",
+                       "calls": [c.function.name for c in calls]}
+    arguments = calls[0].function.arguments
+    try:
+        jsonschema.validate(json.loads(arguments), tool["function"]["parameters"])
+    except (ValueError, jsonschema.ValidationError) as exc:
+        return False, {"reason": f"arguments not valid: {exc}", "arguments": arguments}
+    return True, {"arguments": arguments}
+
+
+def judge_tower(report: dict) -> tuple[bool, dict]:
+    """The LM engine's ImageProbe report after one image request: the tower never ran, and the
+    image's rows reached the language model (from the VisionEncoder's stored output)."""
+    prefills = report.get("prefills") or []
+    ok = report.get("encoder_calls") == 0 and bool(prefills) and bool(prefills[0]["image_rows"])
+    return ok, {"encoder_calls": report.get("encoder_calls"), "image_prefills": len(prefills),
+                **({} if ok else {"reason": "the LM's engine ran its vision tower, or got no "
+                                            "image rows"})}
+
+
+def judge_drafts(stats: dict) -> tuple[bool, dict]:
+    """vLLM's spec-decode counters, as the replica's `stats` sums them: drafts proposed, draft
+    tokens and accepted tokens, each above 0."""
+    counters = {k: stats.get(k, 0) for k in ("num_drafts", "num_draft_tokens",
+                                            "num_accepted_tokens")}
+    ok = all(value > 0 for value in counters.values())
+    return ok, {**counters, **({} if ok else {"reason": "no drafts proposed or none accepted "
+                                                        "(with constant logits all should be)"})}
 
 
 def serve_and_request(rec: Recorder, config_path: Path, port: int, workdir: Path,
-                      start_timeout_s: float, log_copy: Path | None) -> None:
+                      start_timeout_s: float, log_copy: Path | None,
+                      profile: str = "pro") -> None:
     import openai
 
     from moonserve.pipeline.app.launch import ServerFailed, ServerProcess
 
+    config = load_serve_config(config_path)["applications"][0]
+    app_name, args = config["name"], AppConfig.model_validate(config["args"])
     cmd = [sys.executable, "-m", "moonserve.pipeline.app.cli", "serve", "--config",
            str(config_path), "--port", str(port), "--dashboard-port", str(port + 1)]
-    server = ServerProcess(cmd, f"http://127.0.0.1:{port}/health", workdir / "serve.log",
+    server = ServerProcess(cmd, f"http://127.0.0.1:{port}/health", workdir / f"serve-{profile}.log",
                            start_timeout_s=start_timeout_s)
+
+    def record(check: str, judged: tuple[bool, dict]) -> None:
+        rec.record(f"{profile}:{check}", "passed" if judged[0] else "failed", **judged[1])
+
     try:
         server.start()
-        rec.record("serve.start", "passed", startup_s=round(server.startup_s, 1))
+        rec.record(f"{profile}:serve.start", "passed", startup_s=round(server.startup_s, 1))
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, timeout=120,
                                max_retries=0)
-        REQUESTS["serve.image"]["messages"][0]["content"][1]["image_url"]["url"] = png_data_url()
+        replies = {}
         for check, body in REQUESTS.items():
-            send_request(rec, client, check, body)
+            if check == "serve.image":
+                if args.vision is None:
+                    continue
+                serve_call(app_name, "collective_rpc", "install_image_probe")
+                body["messages"][0]["content"][1]["image_url"]["url"] = png_data_url()
+            replies[check] = send_request(rec, client, f"{profile}:{check}", body)
+            if check == "serve.image" and replies[check] is not None:
+                [report] = serve_call(app_name, "collective_rpc", "image_probe_report")
+                record("serve.image_tower", judge_tower(report))
+        if replies.get("serve.tools") is not None:
+            record("serve.tool_call_valid", judge_tool_call(replies["serve.tools"], TOOLS[0]))
+        if args.draft.mode != "off":
+            record("serve.drafts", judge_drafts(serve_call(app_name, "stats")))
     except ServerFailed as exc:
-        rec.record("serve.start", "failed", reason=str(exc)[-4000:])
+        rec.record(f"{profile}:serve.start", "failed", reason=str(exc)[-4000:])
+    except (subprocess.SubprocessError, ValueError) as exc:  # a replica call that failed
+        rec.record(f"{profile}:serve.replica_call", "failed", reason=f"{type(exc).__name__}: "
+                   f"{getattr(exc, 'stderr', None) or exc}"[-4000:])
     finally:
         server.stop()
         if log_copy is not None and server.log_path.exists():
@@ -347,8 +444,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workdir", default=None,
                         help="where the tiny checkpoints, the serve config and serve.log go "
                         "(default: a new temporary directory)")
-    parser.add_argument("--config", default=str(PRODUCTION_CONFIG),
-                        help="production Ray Serve config to derive the one-GPU app from")
+    parser.add_argument("--profiles", nargs="+", choices=sorted(PROFILES),
+                        default=list(PROFILES),
+                        help="the production profiles to serve, each derived for small GPUs "
+                        "(default: pro recipe; pro also at TP=2 where two GPUs exist)")
     parser.add_argument("--port", type=int, default=8061, help="HTTP port (dashboard: port + 1)")
     parser.add_argument("--start-timeout", type=float, default=360.0,
                         help="seconds for `moonserve serve` to become healthy (default 360)")
@@ -368,17 +467,33 @@ def run_checks(args: argparse.Namespace, rec: Recorder, workdir: Path) -> int:
         if not check_packages(rec):
             return EXIT_MISSING
     paths = build_checkpoints(rec, workdir)
-    config_path = paths and write_serve_config(rec, workdir, *paths, args.port, Path(args.config),
-                                               args.kv_cache_dtype)
+    configs = {name: write_serve_config(rec, workdir, *paths, args.port, PROFILES[source],
+                                        args.kv_cache_dtype, name, tp)
+               for name, source, tp in variants(args.profiles, args.dry_run)} if paths else {}
     if args.dry_run:
         return EXIT_FAILED if rec.failed() else EXIT_OK
     if not args.skip_kernels:
         for check, argv, timeout_s in KERNEL_CHECKS:
             run_kernel_check(rec, check, argv, timeout_s)
-    if not args.skip_serve and config_path:
-        log_copy = Path(args.out).with_suffix(".serve.log") if args.out else None
-        serve_and_request(rec, config_path, args.port, workdir, args.start_timeout, log_copy)
+    for name, config_path in configs.items():
+        if args.skip_serve or config_path is None:
+            continue
+        log_copy = Path(args.out).with_suffix(f".{name}.serve.log") if args.out else None
+        serve_and_request(rec, config_path, args.port, workdir, args.start_timeout, log_copy,
+                          name)
     return EXIT_FAILED if rec.failed() else EXIT_OK
+
+
+def variants(profiles: list[str], every: bool) -> list[tuple[str, str, int]]:
+    """(name, profile, tensor_parallel_size) of each serve run: each profile at TP=1, and the
+    production profile at TP=2 on vLLM's Ray executor where two GPUs exist (`every`: always,
+    for the dry run's configs)."""
+    import torch
+
+    runs = [(name, name, 1) for name in profiles]
+    if "pro" in profiles and (every or torch.cuda.device_count() >= 2):
+        runs.append(("pro-tp2", "pro", 2))
+    return runs
 
 
 def write_summary(path: str | None, rec: Recorder, exit_code: int, began: float,

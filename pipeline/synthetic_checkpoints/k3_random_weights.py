@@ -43,6 +43,10 @@ from moonserve.pipeline.models.weights import WEIGHTS_FILE
 from moonserve.pipeline.synthetic_checkpoints.k3 import K3Dims, write_dspark_config, write_k3_config
 
 FLOAT32_SUFFIXES = ("e_score_correction_bias", "A_log", "dt_bias")  # fp32 parameters in vLLM
+# With `constant_logits`, zero: the target's LM head (the draft shares it) and the draft's Markov
+# logit-bias head, so every logit is 0 and greedy target and greedy draft both pick token 0: every
+# draft is accepted, which lets the smoke run assert acceptance on random weights.
+LOGIT_TENSORS = ("lm_head.weight", "markov_head.markov_w1.weight", "markov_head.markov_w2.weight")
 # K3Dims() resized so vLLM's NVIDIA kernels see production geometry: MLA latent 512 + rope 64 with
 # 128-wide nope/v heads (the FlashMLA / FlashAttention-MLA shapes), KDA head_dim 128, 16 MLA heads.
 SMOKE_DIMS = replace(K3Dims(), hidden_size=1024, num_attention_heads=16, q_lora_rank=512,
@@ -109,12 +113,17 @@ def random_dspark_tensors(config: dict[str, Any], seed: int = 1) -> dict[str, to
             for name, shape in dspark_expected_tensors(config).items()}
 
 
-def write_random_weights(directory: Path, seed: int = 0) -> dict[str, torch.Tensor]:
-    """model.safetensors beside the directory's config.json (a kimi_k3 or k3_dspark config)."""
+def write_random_weights(directory: Path, seed: int = 0,
+                         constant_logits: bool = False) -> dict[str, torch.Tensor]:
+    """model.safetensors beside the directory's config.json (a kimi_k3 or k3_dspark config);
+    `constant_logits`: the logit tensors (`LOGIT_TENSORS`) zero."""
     config = json.loads((directory / "config.json").read_text())
     if config.get("model_type") == "k3_dspark":
         tensors = random_dspark_tensors(config, seed)
     else:
         tensors = random_k3_tensors(config, seed)
+    if constant_logits:
+        tensors = {name: torch.zeros_like(t) if name.endswith(LOGIT_TENSORS) else t
+                   for name, t in tensors.items()}
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
     return tensors

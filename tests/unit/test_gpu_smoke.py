@@ -32,7 +32,7 @@ def checkpoints(tmp_path_factory):
     k3_dir, dspark_dir = root / "k3", root / "dspark"
     write_smoke_configs(k3_dir, dspark_dir)
     for directory in (k3_dir, dspark_dir):
-        write_random_weights(directory)
+        write_random_weights(directory, constant_logits=True)  # as the smoke run writes them
     return k3_dir, dspark_dir
 
 
@@ -98,11 +98,13 @@ def test_serve_config_fits_one_gpu_and_points_at_the_tiny_checkpoints(checkpoint
     rec = gpu_smoke.Recorder()
     path = gpu_smoke.write_serve_config(rec, tmp_path, k3_dir, dspark_dir, port=8061)
     assert path is not None, rec.checks
+    assert rec.checks[0]["check"] == "pro:config.serve"
     config = load_app_config(path)
     engine = config.language_model.engine
     assert (engine.tensor_parallel_size, engine.decode_context_parallel_size) == (1, 1)
     assert engine.model == str(k3_dir) and config.vision.encoder.model == str(k3_dir)
-    assert config.draft.model == str(dspark_dir)
+    assert config.draft.model == str(dspark_dir) and config.draft.draft_sample_method == "greedy"
+    assert engine.worker_extension_cls == gpu_smoke.PROBE
     assert len(config.language_model.placement.bundles) == 1
     assert [k.get_secret_value() for k in config.router.auth.api_keys] == [gpu_smoke.API_KEY]
     assert not any(k.startswith(gpu_smoke.ROCM_ENV_PREFIXES) for k in config.language_model.env)
@@ -119,7 +121,7 @@ def test_serve_config_failure_is_a_failed_line(checkpoints, tmp_path):
     rec = gpu_smoke.Recorder()
     assert gpu_smoke.write_serve_config(rec, tmp_path, *checkpoints, 8061, bad) is None
     (line,) = rec.checks
-    assert line["check"] == "config.serve" and line["status"] == "failed"
+    assert line["check"] == "pro:config.serve" and line["status"] == "failed"
     assert "no_such_key" in line["reason"]
 
 
@@ -139,3 +141,73 @@ def test_without_cuda_the_script_reports_skipped(tmp_path):
                       "torch": torch.__version__, "torch_cuda": None}]
     summary = json.loads(out.read_text())
     assert summary["exit_code"] == 3 and summary["passed"] is False and summary["checks"] == lines
+
+
+def test_every_profile_and_the_tp2_variant_get_a_valid_small_gpu_config(checkpoints, tmp_path):
+    rec = gpu_smoke.Recorder()
+    paths = {name: gpu_smoke.write_serve_config(rec, tmp_path, *checkpoints, 8061,
+                                                gpu_smoke.PROFILES[profile], None, name, tp)
+             for name, profile, tp in gpu_smoke.variants(["pro", "recipe"], every=True)}
+    assert [c["status"] for c in rec.checks] == ["passed"] * 3, rec.checks
+    assert set(paths) == {"pro", "recipe", "pro-tp2"}
+    recipe, tp2 = load_app_config(paths["recipe"]), load_app_config(paths["pro-tp2"])
+    assert recipe.vision is None and recipe.draft.attention_backend is None
+    assert recipe.draft.model == str(checkpoints[1])
+    assert tp2.language_model.engine.tensor_parallel_size == 2
+    assert len(tp2.language_model.placement.bundles) == 2
+
+
+def test_the_smoke_checkpoints_have_constant_logits(checkpoints):
+    """Zero LM head (shared by the draft) and zero Markov head: every logit is 0, so greedy target
+    and greedy draft agree and the smoke run can demand accepted drafts."""
+    from safetensors.torch import load_file
+
+    from moonserve.pipeline.synthetic_checkpoints.k3_random_weights import LOGIT_TENSORS
+
+    for directory in checkpoints:
+        tensors = load_file(str(directory / "model.safetensors"))
+        logits = {n: t for n, t in tensors.items() if n.endswith(LOGIT_TENSORS)}
+        assert logits and all(not t.any() for t in logits.values())
+        assert any(t.any() for n, t in tensors.items() if n not in logits)
+
+
+class Reply:
+    """The parts of an `openai` ChatCompletion the tool judge reads."""
+
+    def __init__(self, calls):
+        from types import SimpleNamespace as NS
+
+        self.choices = [NS(message=NS(tool_calls=[
+            NS(function=NS(name=name, arguments=arguments)) for name, arguments in calls]))]
+
+
+@pytest.mark.parametrize("calls, ok", [
+    ([("get_weather", '{"city": "Paris"}')], True),
+    ([("get_weather", '{"city": "Rome"}')], False),  # not in the enum
+    ([("get_weather", '{"city": "Paris", "x": 1}')], False),
+    ([("get_weather", '{"city": "Par')], False),  # cut
+    ([("other", '{"city": "Paris"}')], False),
+    ([], False),
+])
+def test_a_tool_call_passes_only_when_its_arguments_fit_the_schema(calls, ok):
+    judged, details = gpu_smoke.judge_tool_call(Reply(calls), gpu_smoke.TOOLS[0])
+    assert judged is ok and ("reason" in details) is (not ok)
+
+
+@pytest.mark.parametrize("stats, ok", [
+    ({"num_drafts": 5, "num_draft_tokens": 35, "num_accepted_tokens": 35}, True),
+    ({"num_drafts": 5, "num_draft_tokens": 35, "num_accepted_tokens": 0}, False),
+    ({"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}, False),
+    ({}, False),
+])
+def test_drafts_pass_only_when_proposed_and_accepted(stats, ok):
+    assert gpu_smoke.judge_drafts(stats)[0] is ok
+
+
+@pytest.mark.parametrize("report, ok", [
+    ({"encoder_calls": 0, "prefills": [{"input_ids": [1], "image_rows": [[0.5]]}]}, True),
+    ({"encoder_calls": 1, "prefills": [{"input_ids": [1], "image_rows": [[0.5]]}]}, False),
+    ({"encoder_calls": 0, "prefills": []}, False),
+])
+def test_the_tower_check_needs_zero_lm_tower_runs_and_image_rows(report, ok):
+    assert gpu_smoke.judge_tower(report)[0] is ok
