@@ -24,6 +24,8 @@ Checks, in order (each prints {"check", "status": passed|failed|skipped, ...} on
    URL) and a forced tool call, and what the LanguageModel replica reports (a child process joins
    the cluster and calls it through a Serve handle). Each fails loudly when its claim fails:
    - serve.text / serve.image: 200 with completion tokens;
+   - serve.encoder_after_lm: the VisionEncoder (autoscaling from 0 replicas) had none before the
+     first image, so that image starts it on a GPU where the LM already holds its memory;
    - serve.image_tower: the LM's engine ran its vision tower 0 times for the image (the
      VisionEncoder encoded it; `ImageProbe`), and its prefill had image rows;
    - serve.tools: a call to the named tool whose arguments are valid against its JSON schema;
@@ -212,6 +214,9 @@ def smoke_app_args(production: dict, k3_dir: Path, dspark_dir: Path,
     if args.get("vision"):
         encoder = args["vision"].setdefault("encoder", {})
         encoder.update(model=str(k3_dir), num_gpus=0.05)
+        # No encoder replica until the first image: it starts after the LM holds its memory.
+        encoder.setdefault("deployment", {})["autoscaling"] = {
+            "min_replicas": 0, "max_replicas": 1, "upscale_delay_s": 0}
         args["vision"].setdefault("preprocessor", {})["deployment"] = {"num_cpus": 1}
     args.setdefault("draft", {}).update(model=str(dspark_dir), draft_sample_method="greedy")
     return args, dropped
@@ -315,6 +320,32 @@ print(json.dumps(getattr(lm, sys.argv[2]).remote(*json.loads(sys.argv[3])).resul
 """
 
 
+SERVE_STATUS = """
+import json, sys
+import ray
+from ray import serve
+ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+app = serve.status().applications[sys.argv[1]]
+print(json.dumps({name: d.replica_states.get("RUNNING", 0)
+                  for name, d in app.deployments.items()}))
+"""
+
+
+def running_replicas(app_name: str) -> dict[str, int]:
+    """RUNNING replicas of each deployment of the app, from Serve's status (a child process)."""
+    child = subprocess.run([sys.executable, "-c", SERVE_STATUS, app_name], cwd=REPO,
+                           capture_output=True, text=True, timeout=180, check=True)
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def judge_encoder_after_lm(running: dict[str, int]) -> tuple[bool, dict]:
+    """Before the first image: the LanguageModel runs and the VisionEncoder has no replica yet, so
+    the image request starts it beside an LM that already holds its memory."""
+    ok = running.get("LanguageModel", 0) >= 1 and running.get("VisionEncoder", 0) == 0
+    return ok, {"running": running, **({} if ok else {
+        "reason": "the VisionEncoder was up before the first image (min_replicas 0 expected)"})}
+
+
 def serve_call(app_name: str, method: str, *args) -> object:
     child = subprocess.run([sys.executable, "-c", SERVE_CALL, app_name, method, json.dumps(args)],
                            cwd=REPO, capture_output=True, text=True, timeout=180, check=True)
@@ -407,6 +438,7 @@ def serve_and_request(rec: Recorder, config_path: Path, port: int, workdir: Path
             if check == "serve.image":
                 if args.vision is None:
                     continue
+                record("serve.encoder_after_lm", judge_encoder_after_lm(running_replicas(app_name)))
                 serve_call(app_name, "collective_rpc", "install_image_probe")
                 body["messages"][0]["content"][1]["image_url"]["url"] = png_data_url()
             replies[check] = send_request(rec, client, f"{profile}:{check}", body)

@@ -211,3 +211,13 @@ def test_drafts_pass_only_when_proposed_and_accepted(stats, ok):
 ])
 def test_the_tower_check_needs_zero_lm_tower_runs_and_image_rows(report, ok):
     assert gpu_smoke.judge_tower(report)[0] is ok
+
+
+def test_the_encoder_waits_for_the_first_image_and_the_check_says_so(checkpoints, tmp_path):
+    rec = gpu_smoke.Recorder()
+    path = gpu_smoke.write_serve_config(rec, tmp_path, *checkpoints, 8061)
+    scaling = load_app_config(path).vision.encoder.deployment.autoscaling
+    assert (scaling.min_replicas, scaling.upscale_delay_s) == (0, 0)
+    assert gpu_smoke.judge_encoder_after_lm({"LanguageModel": 1, "VisionEncoder": 0})[0]
+    assert not gpu_smoke.judge_encoder_after_lm({"LanguageModel": 1, "VisionEncoder": 1})[0]
+    assert not gpu_smoke.judge_encoder_after_lm({"LanguageModel": 0, "VisionEncoder": 0})[0]
