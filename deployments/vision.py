@@ -136,12 +136,11 @@ class EngineVisionEncoder:
     """
 
     def __init__(self, config: VisionEncoderConfig, engine: EngineConfig, model_path: str):
+        import ray
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from moonserve.pipeline.engine.image_format import image_format
         from moonserve.pipeline.metrics import make_metric
-
-        import ray
 
         self.store = config.store
         self.format = image_format(model_path)
