@@ -188,15 +188,25 @@ def test_the_recipe_profile_uses_the_recipes_tool_and_reasoning_parsers(recipe_a
     assert chat.tools.strict_level == namespace.tool_strict_level  # vLLM's server default
 
 
-def situv2_activation(env: dict[str, str]) -> dict:
-    """What vLLM's AITER ops make of `env` at import (vllm/_aiter_ops.py: the MoE activation and
-    the AITER_SITUV2_* variables it leaves for AITER); a subprocess, as the import rewrites them."""
+def situv2_activations(*envs: dict[str, str]) -> list[dict]:
+    """What vLLM's AITER ops make of each env (vllm/_aiter_ops.py: the MoE activation, and the
+    AITER_SITUV2_* variables it leaves for AITER), in one subprocess: the import rewrites them."""
+    script = """
+import json, os, sys
+import vllm._aiter_ops as ops
+results = []
+for env in json.loads(sys.argv[1]):
+    for name in [n for n in os.environ if n.startswith(("AITER_", "VLLM_ROCM_"))]:
+        del os.environ[name]
+    os.environ.update(env)
+    ops._sync_aiter_situv2_moe_env()
+    results.append({"activation": ops._resolve_situv2_activation(),
+                    "aiter": sorted(n for n in os.environ if n.startswith("AITER_SITUV2"))})
+print(json.dumps(results))
+"""
     clean = {n: v for n, v in os.environ.items() if not n.startswith(("AITER_", "VLLM_ROCM_"))}
-    script = ("import json, os, vllm._aiter_ops as ops; print(json.dumps({'activation': "
-              "ops._resolve_situv2_activation(), 'aiter': sorted(n for n in os.environ "
-              "if n.startswith('AITER_SITUV2'))}))")
-    done = subprocess.run([sys.executable, "-c", script], env=clean | env, capture_output=True,
-                          text=True, timeout=120, check=True)
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(envs)], env=clean,
+                          capture_output=True, text=True, timeout=120, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -207,8 +217,9 @@ def test_the_recipes_moe_env_runs_a4w4_in_this_vllm_and_the_full_profile_a8w4():
     recipe = load_app_config(RECIPE).language_model.env
     full = load_app_config(PRODUCTION).language_model.env
     assert recipe["VLLM_ROCM_USE_AITER_MOE_SITUV2_A8W4"] == "1"
-    assert situv2_activation(recipe) == {"activation": "a4w4", "aiter": ["AITER_SITUV2_A4W4"]}
-    assert situv2_activation(full) == {"activation": "a8w4", "aiter": ["AITER_SITUV2_A8W4"]}
+    assert situv2_activations(recipe, full) == [
+        {"activation": "a4w4", "aiter": ["AITER_SITUV2_A4W4"]},
+        {"activation": "a8w4", "aiter": ["AITER_SITUV2_A8W4"]}]
 
 
 def test_the_replicas_start_line_says_what_vllm_resolved(recipe_args, profile_args, checkpoints):
