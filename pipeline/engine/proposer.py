@@ -34,6 +34,9 @@ named by `MOONSERVE_DRAFT_SOCKET`; `moonserve.pipeline.speculative.endpoint`);
 - The target's hidden states (`MOONSERVE_DRAFT_HIDDEN_LAYERS`, for the `dspark_context` drafter):
   forward hooks on those decoder layers keep them (`HiddenCapture`); each row carries the ones
   the target accepted since the service last confirmed (`HiddenStates`).
+- A step in which no request carries a draft samples with vLLM's plain sampler
+  (`plain_sampling_without_drafts`): vLLM runs its rejection sampler on every step once any
+  speculator is configured, drafts or none.
 
 Example (what vLLM does with it):
     >>> LLM(model, speculative_config={"method": "custom_class", "num_speculative_tokens": 4,
@@ -485,6 +488,27 @@ def seeded_sampling(batch, row: int) -> bool:
     return row in batch.generators and batch.req_ids[row] in batch.random_reqs
 
 
+def plain_sampling_without_drafts(runner) -> None:
+    """Make `runner` (vLLM's V1 model runner) sample a step in which no request has draft tokens
+    with its plain sampler, as if no speculator were configured.
+
+    vLLM builds spec-decode metadata and runs `RejectionSampler` on every step once a speculator
+    is configured (gpu_model_runner.py `_sample`: the rejection sampler whenever
+    `spec_decode_metadata` is set, and it is set for every step). With no draft in the batch its
+    output is the plain sampler's, one token per request (the "bonus" token), but it costs a pass
+    over the logits and, for sampled requests, noise over the whole vocabulary per request. The
+    output shape is the same [batch, 1] either way, so vLLM's bookkeeping takes the same branch.
+    """
+    sample = runner._sample
+
+    def sample_plain_without_drafts(logits, spec_decode_metadata):
+        if spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0:
+            spec_decode_metadata = None
+        return sample(logits, spec_decode_metadata)
+
+    runner._sample = sample_plain_without_drafts
+
+
 def find_model_runner(frame):
     """The vLLM model runner constructing us: the first caller frame whose `self` is one."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -507,6 +531,7 @@ class ServiceProposer:
         self.max_model_len = vllm_config.model_config.max_model_len
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.runner = find_model_runner(sys._getframe(1))
+        plain_sampling_without_drafts(self.runner)
         self.stats = ProposerStats()
         path = os.environ.get(ENV_SOCKET)
         if not path:

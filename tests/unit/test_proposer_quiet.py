@@ -133,3 +133,24 @@ def test_skipped_tokens_reach_the_service_with_the_next_row():
             assert core.sessions.num_tokens("a") == n
             assert core.sessions.state("a").token_ids == truth[:n]
     assert skipped_some
+
+
+def test_a_step_without_drafts_samples_with_the_plain_sampler():
+    """vLLM hands `_sample` its spec-decode metadata on every step once a speculator is
+    configured; with no draft in the batch the proposer's wrapper passes None (vLLM's plain
+    sampler), with any draft the metadata as it came (the rejection sampler)."""
+    import torch
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    from moonserve.pipeline.engine.proposer import plain_sampling_without_drafts
+
+    seen = []
+    runner = SimpleNamespace(_sample=lambda logits, metadata: seen.append(metadata) or "sampled")
+    plain_sampling_without_drafts(runner)
+    none_drafted = SpecDecodeMetadata.make_dummy([[], [], []], torch.device("cpu"))
+    some_drafted = SpecDecodeMetadata.make_dummy([[], [7, 8], []], torch.device("cpu"))
+    logits = torch.zeros(3, 16)
+    assert runner._sample(logits, none_drafted) == "sampled"
+    assert runner._sample(logits, some_drafted) == "sampled"
+    assert runner._sample(logits, None) == "sampled"
+    assert seen == [None, some_drafted, None]
