@@ -75,7 +75,8 @@ BENCHMARKS = {"overhead": bench_module("overhead"), "lanes": bench_module("lanes
               "vision": bench_module("vision"), "reliability": bench_module("reliability"),
               "speculative": bench_module("speculative"), "tools": bench_module("tools"),
               "admission": bench_module("admission_latency"), "routing": bench_module("routing"),
-              "structured": bench_module("structured"), "soak": bench_module("soak")}
+              "structured": bench_module("structured"), "soak": bench_module("soak"),
+              "sampling": bench_module("sampling")}
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
