@@ -498,11 +498,15 @@ def plain_sampling_without_drafts(runner) -> None:
     output is the plain sampler's, one token per request (the "bonus" token), but it costs a pass
     over the logits and, for sampled requests, noise over the whole vocabulary per request. The
     output shape is the same [batch, 1] either way, so vLLM's bookkeeping takes the same branch.
+    A batch holding a seeded request (`input_batch.generators`) keeps vLLM's path: the two
+    samplers draw from its generator differently, and whether a step has drafts depends on the
+    other requests' timing, so switching would make a seed's answer vary between runs.
     """
     sample = runner._sample
 
     def sample_plain_without_drafts(logits, spec_decode_metadata):
-        if spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0:
+        if spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0 \
+                and not runner.input_batch.generators:
             spec_decode_metadata = None
         return sample(logits, spec_decode_metadata)
 

@@ -145,7 +145,8 @@ def test_a_step_without_drafts_samples_with_the_plain_sampler():
     from moonserve.pipeline.engine.proposer import plain_sampling_without_drafts
 
     seen = []
-    runner = SimpleNamespace(_sample=lambda logits, metadata: seen.append(metadata) or "sampled")
+    runner = SimpleNamespace(_sample=lambda logits, metadata: seen.append(metadata) or "sampled",
+                             input_batch=SimpleNamespace(generators={}))
     plain_sampling_without_drafts(runner)
     none_drafted = SpecDecodeMetadata.make_dummy([[], [], []], torch.device("cpu"))
     some_drafted = SpecDecodeMetadata.make_dummy([[], [7, 8], []], torch.device("cpu"))
@@ -154,3 +155,7 @@ def test_a_step_without_drafts_samples_with_the_plain_sampler():
     assert runner._sample(logits, some_drafted) == "sampled"
     assert runner._sample(logits, None) == "sampled"
     assert seen == [None, some_drafted, None]
+    # A seeded request keeps vLLM's path: its generator must be drawn from the same way each run.
+    runner.input_batch.generators[1] = torch.Generator()
+    runner._sample(logits, none_drafted)
+    assert seen[-1] is none_drafted
