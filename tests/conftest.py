@@ -11,6 +11,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,21 @@ import pytest
 from moonserve.pipeline.config import DEFAULT_CONFIG
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """`moonserve ARGS` in this process (the CLI's `main`, which its console script calls; a
+    subprocess costs ~2 s of imports per call): exit status and captured output.
+    tests/unit/test_cli.py runs the real entry point in subprocesses."""
+    from moonserve.pipeline.app.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exit_:  # argparse: --help (0) and usage errors (2)
+            code = exit_.code if isinstance(exit_.code, int) else 1
+    return subprocess.CompletedProcess(["moonserve", *args], code, out.getvalue(), err.getvalue())
 LOCAL_CONFIG = DEFAULT_CONFIG
 MODEL = "moonserve-embedded"  # the served model name in LOCAL_CONFIG
 OWN_APP_TESTS = (REPO / "tests" / "cluster", REPO / "tests" / "engines")

@@ -14,8 +14,6 @@ import functools
 import json
 import os
 import struct
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -37,7 +35,7 @@ from moonserve.pipeline.capacity.kimi_k3_layout import KimiCheckpointConfig, moe
 from moonserve.pipeline.capacity.plan import plan, with_checkpoint
 from moonserve.pipeline.capacity.registry import HARDWARE, MODELS
 from moonserve.pipeline.models.weights import INDEX_FILE, read_safetensors_header
-from tests.conftest import REPO
+from tests.conftest import run_cli
 
 TP = 8
 LM = "language_model."
@@ -188,11 +186,6 @@ def problem_kinds(report) -> set[str]:
 def only_problem(report, kind: str) -> str:
     assert problem_kinds(report) == {kind}, format_report(report)
     return "\n".join(p.message for p in report.problems)
-
-
-def run_moonserve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moonserve.pipeline.app.cli", *args], capture_output=True,
-                          text=True, timeout=120, cwd=REPO, check=False)
 
 
 # ---- the valid checkpoint: hand-computed counts ------------------------------------------------
@@ -473,36 +466,36 @@ def test_plan_refuses_a_broken_checkpoint(tiny):
 
 
 def test_cli_ok_json_and_exit_codes(tiny, tmp_path):
-    ok = run_moonserve("check-checkpoint", str(tiny), "--json", "--tp", "8")
+    ok = run_cli("check-checkpoint", str(tiny), "--json", "--tp", "8")
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["bytes_per_rank"] == pytest.approx(169_672)
     (tiny / "model-00002-of-00003.safetensors").unlink()
-    broken = run_moonserve("check-checkpoint", str(tiny))
+    broken = run_cli("check-checkpoint", str(tiny))
     assert broken.returncode == 1 and "missing_shard" in broken.stdout
     assert "result: 1 problem(s)" in broken.stdout
-    missing = run_moonserve("check-checkpoint", str(tmp_path / "nowhere"))
+    missing = run_cli("check-checkpoint", str(tmp_path / "nowhere"))
     assert missing.returncode == 2 and "no such file or directory" in missing.stderr
-    assert run_moonserve("check-checkpoint").returncode == 2
+    assert run_cli("check-checkpoint").returncode == 2
 
 
 def test_cli_plan_with_checkpoint(tiny):
     # The tiny model's MLA latent does not fit K3's DSpark draft: plan it without one.
-    out = run_moonserve("plan", "--checkpoint", str(tiny), "--json", "--draft", "none")
+    out = run_cli("plan", "--checkpoint", str(tiny), "--json", "--draft", "none")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["weight_bytes_per_gpu"] == pytest.approx(169_672)
     assert result["brief_comparison"]["brief_bytes_per_gpu"] == 199e9
     (tiny / INDEX_FILE).unlink()
-    broken = run_moonserve("plan", "--checkpoint", str(tiny))
+    broken = run_cli("plan", "--checkpoint", str(tiny))
     assert broken.returncode == 1 and "missing_index" in broken.stderr
 
 
 def test_cli_help_describes_the_options():
-    out = run_moonserve("check-checkpoint", "--help")
+    out = run_cli("check-checkpoint", "--help")
     assert out.returncode == 0
     for text in ("PATH", "--tp", "--json", "Exit status: 0", "1 problems found", "2 usage error"):
         assert text in out.stdout
-    assert "--checkpoint" in run_moonserve("plan", "--help").stdout
+    assert "--checkpoint" in run_cli("plan", "--help").stdout
 
 
 def test_module_examples_run():

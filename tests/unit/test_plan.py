@@ -394,16 +394,11 @@ def test_module_docstring_example_runs(module):
 
 
 def test_plan_takes_settings_from_a_config_file():
-    import subprocess
-    import sys
-
     from moonserve.pipeline.config import load_app_config
-    from tests.conftest import REPO
+    from tests.conftest import REPO, run_cli
 
     engine = load_app_config(REPO / "configs" / "mi355x-k3.1-pro.yaml").language_model.engine
-    out = subprocess.run([sys.executable, "-m", "moonserve.pipeline.app.cli", "plan", "--json",
-                          "--config", str(REPO / "configs" / "mi355x-k3.1-pro.yaml")],
-                         capture_output=True, text=True, timeout=120)
+    out = run_cli("plan", "--json", "--config", str(REPO / "configs" / "mi355x-k3.1-pro.yaml"))
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert (result["tensor_parallel_size"], result["decode_context_parallel_size"]) == (
@@ -501,16 +496,12 @@ def test_one_max_model_len_request_that_does_not_fit_is_refused_as_vllm_refuses_
 
 
 def test_plan_counts_what_the_production_config_puts_beside_the_engine():
-    import subprocess
-    import sys
-
     from moonserve.pipeline.config import load_app_config
-    from tests.conftest import REPO
+    from tests.conftest import REPO, run_cli
 
     config = REPO / "configs" / "mi355x-k3.1-pro.yaml"
     app = load_app_config(config)
-    out = subprocess.run([sys.executable, "-m", "moonserve.pipeline.app.cli", "plan", "--json",
-                          "--config", str(config)], capture_output=True, text=True, timeout=120)
+    out = run_cli("plan", "--json", "--config", str(config))
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     outside = {t["name"]: t["bytes_per_gpu"] for t in result["outside_pool"]}
