@@ -388,7 +388,7 @@ class LanguageModel:
         from vllm.inputs import TokensPrompt
 
         from moonserve.pipeline.api.placeholders import collapse_placeholders
-        from moonserve.pipeline.engine.ec_connector import evict, fetch_from, has, put
+        from moonserve.pipeline.engine.ec_store import evict, fetch_from, has, put
 
         uuids = list(request.image_hashes)
         keys = self.image_format.store_keys(uuids, self.engine.model_config)

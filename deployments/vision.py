@@ -132,7 +132,7 @@ class EngineVisionEncoder:
     engine itself. An image already in the store is not encoded again, and concurrent requests for
     one image share one encoding. `encode` returns a `StoredEncoding`: the uuid, the output's
     rows, and where it is stored (this node, `config.store`); nothing is put in Ray's object store
-    (a LanguageModel on another node fetches the entry from here, `ec_connector.fetch_from`).
+    (a LanguageModel on another node fetches the entry from here, `ec_store.fetch_from`).
     """
 
     def __init__(self, config: VisionEncoderConfig, engine: EngineConfig, model_path: str):
@@ -153,7 +153,7 @@ class EngineVisionEncoder:
         self.lookups = make_metric("moonserve_encoder_cache")
 
     async def encode(self, info: ImageInfo) -> StoredEncoding:
-        from moonserve.pipeline.engine.ec_connector import has, num_rows
+        from moonserve.pipeline.engine.ec_store import has, num_rows
 
         uuid = info.content_hash
         [key] = self.format.store_keys([uuid], self.engine.model_config)
@@ -171,7 +171,7 @@ class EngineVisionEncoder:
 
         from vllm import SamplingParams
 
-        from moonserve.pipeline.engine.ec_connector import has
+        from moonserve.pipeline.engine.ec_store import has
 
         prompt = {"prompt": self.format.placeholder_text,
                   **self.format.multi_modal([await info.image], [info.content_hash])}

@@ -541,7 +541,7 @@ class ImageInfo:
 class StoredEncoding:
     """VisionEncoder -> Router -> LanguageModel with `vision.handover: encoder_cache`: the image's
     output [num_image_tokens, text hidden] is in `store` on the node `node_id` under `key`. A
-    LanguageModel on another node fetches it from there (`ec_connector.fetch_from`); on the same
+    LanguageModel on another node fetches it from there (`ec_store.fetch_from`); on the same
     node nothing moves."""
 
     key: str

@@ -23,7 +23,8 @@ import pytest
 import torch
 from PIL import Image
 
-from moonserve.pipeline.engine.ec_connector import ec_transfer_config, get, store_path
+from moonserve.pipeline.engine.ec_connector import ec_transfer_config
+from moonserve.pipeline.engine.ec_store import get, store_path
 from moonserve.pipeline.synthetic_checkpoints.k3 import token_id
 from moonserve.pipeline.synthetic_checkpoints.k25 import IMAGE_PLACEHOLDER, write_k25_checkpoint
 

@@ -24,7 +24,7 @@ import torch
 from PIL import Image
 from tokenizers import Tokenizer
 
-from moonserve.pipeline.engine.ec_connector import get, has
+from moonserve.pipeline.engine.ec_store import get, has
 from moonserve.pipeline.synthetic_checkpoints.k3 import token_id
 from moonserve.pipeline.synthetic_checkpoints.k25 import write_k25_checkpoint
 from tests.engines.own_app import local_args, running_app, serve_calls_in_child

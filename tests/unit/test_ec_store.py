@@ -1,4 +1,4 @@
-"""The encoder-cache store of `moonserve.pipeline.engine.ec_connector`: atomic writes, key
+"""The encoder-cache store, `moonserve.pipeline.engine.ec_store`: atomic writes, key
 checks, least-recently-used eviction (the engines that use it: tests/engines/test_ec_connector.py).
 """
 
@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from moonserve.pipeline.engine.ec_connector import evict, get, has, put, store_path
+from moonserve.pipeline.engine.ec_store import evict, get, has, put, store_path
 
 
 def test_put_is_atomic_and_get_returns_the_tensor(tmp_path):
@@ -43,7 +43,7 @@ def test_evict_drops_least_recently_used_first(tmp_path):
 
 
 def test_num_rows_reads_the_header_and_marks_the_entry_used(tmp_path):
-    from moonserve.pipeline.engine.ec_connector import num_rows
+    from moonserve.pipeline.engine.ec_store import num_rows
 
     path = put(tmp_path, "a", torch.zeros(37, 8, dtype=torch.bfloat16))
     os.utime(path, (time.time() - 600, time.time() - 600))
@@ -84,7 +84,7 @@ def test_an_lm_stores_what_it_fetches_from_another_node_within_the_bound(tmp_pat
     from PIL import Image
 
     from moonserve.deployments.language_model import LanguageModel
-    from moonserve.pipeline.engine import ec_connector
+    from moonserve.pipeline.engine import ec_store
 
     fetched = []
 
@@ -92,7 +92,7 @@ def test_an_lm_stores_what_it_fetches_from_another_node_within_the_bound(tmp_pat
         fetched.append((node_id, store, key))
         return torch.ones(2, 1024, dtype=torch.bfloat16)  # 4 KB
 
-    monkeypatch.setattr(ec_connector, "fetch_from", fetch_from)
+    monkeypatch.setattr(ec_store, "fetch_from", fetch_from)
     lm = lm_with_store(tmp_path, max_bytes=6000)
     image = Image.new("RGB", (8, 8))
     prompt = LanguageModel.image_prompt(lm, image_request("first"), (image,))
@@ -111,12 +111,25 @@ def test_an_output_that_cannot_be_fetched_is_left_to_the_engine(tmp_path, monkey
     from PIL import Image
 
     from moonserve.deployments.language_model import LanguageModel
-    from moonserve.pipeline.engine import ec_connector
+    from moonserve.pipeline.engine import ec_store
 
     def fetch_from(node_id, store, key):
         raise FileNotFoundError(key)  # evicted on the encoder's node meanwhile
 
-    monkeypatch.setattr(ec_connector, "fetch_from", fetch_from)
+    monkeypatch.setattr(ec_store, "fetch_from", fetch_from)
     lm = lm_with_store(tmp_path, max_bytes=None)
     prompt = LanguageModel.image_prompt(lm, image_request("gone"), (Image.new("RGB", (8, 8)),))
     assert prompt["multi_modal_uuids"] == {"image": ["gone"]} and not has(lm.images.store, "gone")
+
+
+def test_the_store_loads_no_vllm_and_its_example_runs():
+    """A Ray task that fetches an entry on another node imports this module: it must not load
+    vLLM (seconds per new worker process)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, doctest, moonserve.pipeline.engine.ec_store as m; "
+            "assert doctest.testmod(m).failed == 0; print('vllm' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "False"
