@@ -146,9 +146,9 @@ def bind_vision(vision: VisionConfig, lm: LanguageModelConfig,
         ImagePreprocessor, name="ImagePreprocessor", **cpu_options(vision.preprocessor.deployment)
     ).bind(config=vision.preprocessor, decoded_only=engine_cache)
     options = cpu_options(vision.encoder.deployment, vision.encoder.num_gpus)
-    if engine_cache and encoder_env(lm):
-        options["ray_actor_options"]["runtime_env"] = {"env_vars": encoder_env(lm)}
     if engine_cache:
+        if env := encoder_env(lm):
+            options["ray_actor_options"]["runtime_env"] = {"env_vars": env}
         encoder = serve.deployment(EngineVisionEncoder, name="VisionEncoder", **options).bind(
             config=vision.encoder, engine=lm.engine, model_path=lm_path)
     else:

@@ -130,8 +130,8 @@ class EngineVisionEncoder:
     stored the output in `config.store` under vLLM's hash of that item (`ImageFormat.store_keys`:
     the uuid while requests carry no processor kwargs). Concurrent requests are batched by the
     engine itself. An image already in the store is not encoded again, and concurrent requests for
-    one image share one encoding. `encode` returns a `StoredEncoding`: the uuid, the output's
-    rows, and where it is stored (this node, `config.store`); nothing is put in Ray's object store
+    one image share one encoding. `encode` returns a `StoredEncoding`: the output's rows, and
+    where it is stored (this node, `config.store`); nothing is put in Ray's object store
     (a LanguageModel on another node fetches the entry from here, `ec_store.fetch_from`).
     """
 
@@ -163,7 +163,7 @@ class EngineVisionEncoder:
         if not hit:
             await shared_encoding(self.pending, key, lambda: self.run_engine(info, key))
         rows = await asyncio.to_thread(num_rows, self.store, key)
-        return StoredEncoding(uuid, rows, self.node_id, self.store)
+        return StoredEncoding(rows, self.node_id, self.store)
 
     async def run_engine(self, info: ImageInfo, key: str) -> None:
         """Encode `info`'s image; its output is then in the store under `key`."""

@@ -641,17 +641,21 @@ class VisionConfig(StrictModel):
 K3_DSPARK = ("K3DSparkModel", "k3_dspark")  # config.json architectures[0], model_type
 
 
+def architecture_of(config: dict) -> str | None:
+    """A checkpoint config.json's first `architectures` entry (None without one)."""
+    return (config.get("architectures") or [None])[0]
+
+
 def is_k3_dspark(config: dict) -> bool:
     """Whether vLLM runs this draft config.json as K3's MLA drafter (vllm/config/speculative.py:
     it turns a DSparkDraftModel of model_type qwen3, or a speculators-format draft (vLLM's K3
     recipe's), into a dense `Qwen3DSparkModel`, and any other draft into DeepSeek-V4's `DSparkDraftModel`)."""
-    architecture = (config.get("architectures") or [None])[0]
-    return architecture == K3_DSPARK[0] or config.get("model_type") == K3_DSPARK[1]
+    return architecture_of(config) == K3_DSPARK[0] or config.get("model_type") == K3_DSPARK[1]
 
 
 def dspark_draft_kind(config: dict) -> str | None:
     """What vLLM runs a DSpark draft's config.json as; None for a checkpoint that is not one."""
-    architecture = (config.get("architectures") or [None])[0]
+    architecture = architecture_of(config)
     if is_k3_dspark(config):
         return "K3DSparkModel: K3's MLA drafter (draft.attention_backend TRITON_MLA holds)"
     if config.get("speculators_model_type") == "dspark":
@@ -676,7 +680,7 @@ def check_k3_dspark_draft(model: str, setting: str) -> None:
 
     config = json.loads(config_file.read_text())
     if not is_k3_dspark(config):
-        architecture = (config.get("architectures") or [None])[0]
+        architecture = architecture_of(config)
         raise ValueError(
             f"draft.model: {model} is a {architecture} draft (model_type "
             f"{config.get('model_type')}), not a {K3_DSPARK[0]} ({K3_DSPARK[1]}); vLLM runs it "

@@ -23,6 +23,22 @@ from moonserve.pipeline.config import DEFAULT_CONFIG
 REPO = Path(__file__).resolve().parent.parent
 
 
+def vllm_config_parts(engine_args) -> dict:
+    """The sub-configs vLLM's `create_engine_config` builds from `engine_args` (AsyncEngineArgs)
+    and hands to `VllmConfig`, captured there: the CPU build's VllmConfig refuses DSpark
+    ("Model Runner V1 does not support"), so tests of GPU configs read what vLLM resolved
+    before it (tests/unit/test_production_config.py, test_recipe_profile.py)."""
+    import copy
+
+    from vllm.engine import arg_utils
+
+    captured = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(arg_utils, "VllmConfig", lambda **kwargs: captured.update(kwargs))
+        copy.deepcopy(engine_args).create_engine_config()
+    return captured
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     """`moonserve ARGS` in this process (the CLI's `main`, which its console script calls; a
     subprocess costs ~2 s of imports per call): exit status and captured output.

@@ -540,11 +540,11 @@ class ImageInfo:
 @dataclass(frozen=True)
 class StoredEncoding:
     """VisionEncoder -> Router -> LanguageModel with `vision.handover: encoder_cache`: the image's
-    output [num_image_tokens, text hidden] is in `store` on the node `node_id` under `key`. A
+    output [num_image_tokens, text hidden] is in `store` on the node `node_id`, under the key the
+    image's uuid (`GenerateRequest.image_hashes`) hashes to (`ImageFormat.store_keys`). A
     LanguageModel on another node fetches it from there (`ec_store.fetch_from`); on the same
     node nothing moves."""
 
-    key: str
     num_image_tokens: int
     node_id: str
     store: str

@@ -34,6 +34,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from moonserve.pipeline.config import architecture_of
+
 # Architecture -> (the modality its processor takes images under, whether an item is a dict,
 # whether the processor writes `<|media_begin|>image {w}x{h}<|media_content|>` ... `<|media_end|>`
 # around the pads). Kimi K2.5 takes every medium as a `vision_chunk`: an image is {"type": "image",
@@ -92,7 +94,7 @@ class ImageFormat:
 
 def image_format(model_path: str | Path) -> ImageFormat:
     config = json.loads((Path(model_path) / "config.json").read_text())
-    architecture = (config.get("architectures") or [None])[0]
+    architecture = architecture_of(config)
     if architecture not in MODALITIES:
         raise ValueError(f"vision.handover encoder_cache: {model_path} is a {architecture}; "
                          f"the image format is known for {', '.join(MODALITIES)}")

@@ -175,7 +175,7 @@ def generate_with_encoder_output(prompt_ids: list[int], pad_id: int, key: str, n
 
     if not ray.is_initialized():
         ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
-    stored = StoredEncoding(key, num_rows, ray.get_runtime_context().get_node_id(), encoder_store)
+    stored = StoredEncoding(num_rows, ray.get_runtime_context().get_node_id(), encoder_store)
     request = GenerateRequest(
         "remote-encoder-1", prompt_ids, SamplingSpec(max_tokens=2, temperature=0.0),
         image_placeholder_id=pad_id, image_hashes=(key,), encoder_outputs=(stored,))

@@ -77,7 +77,7 @@ def image_request(key: str, node_id: str = "node-b"):
 
     return GenerateRequest(f"r-{key}", [1, 9, 9, 2], SamplingSpec(max_tokens=1),
                            image_placeholder_id=9, image_hashes=(key,),
-                           encoder_outputs=(StoredEncoding(key, 2, node_id, "/encoder/store"),))
+                           encoder_outputs=(StoredEncoding(2, node_id, "/encoder/store"),))
 
 
 def test_an_lm_stores_what_it_fetches_from_another_node_within_the_bound(tmp_path, monkeypatch):

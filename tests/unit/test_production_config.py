@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from moonserve.pipeline.config import load_app_config
 
-from tests.conftest import REPO
+from tests.conftest import REPO, vllm_config_parts
 
 PRODUCTION = REPO / "configs" / "mi355x-k3.1-pro.yaml"
 
@@ -183,19 +183,7 @@ def image_format(checkpoint):
 def engine_configs(production_args):
     """The sub-configs `create_engine_config` builds and hands to `VllmConfig`, captured there,
     because the CPU build's VllmConfig refuses DSpark (module docstring)."""
-    from vllm.engine import arg_utils
-
-    captured = {}
-
-    def capture_vllm_config_kwargs(**kwargs):
-        captured.update(kwargs)
-        return kwargs
-
-    args = copy.deepcopy(production_args)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(arg_utils, "VllmConfig", capture_vllm_config_kwargs)
-        args.create_engine_config()
-    return captured
+    return vllm_config_parts(production_args)
 
 
 def test_vllm_resolves_the_k3_target(engine_configs):

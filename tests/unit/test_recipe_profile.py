@@ -11,17 +11,18 @@ RedHatAI/Kimi-K3-speculator.dspark stands here as a synthetic speculators-format
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import subprocess
 import sys
+from operator import attrgetter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from moonserve.pipeline.config import load_app_config
 
-from tests.conftest import REPO
+from tests.conftest import REPO, vllm_config_parts
 
 RECIPE = REPO / "configs" / "mi355x-k3.1-recipe.yaml"
 PRODUCTION = REPO / "configs" / "mi355x-k3.1-pro.yaml"
@@ -88,61 +89,54 @@ def profile_args(checkpoints):
                        app.language_model.chat.reasoning.parser)
 
 
-def resolved(args) -> dict:
-    """The sub-configs `create_engine_config` hands to `VllmConfig` (the CPU build's VllmConfig
-    refuses DSpark: tests/unit/test_production_config.py)."""
-    from vllm.engine import arg_utils
-
-    captured = {}
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(arg_utils, "VllmConfig", lambda **kwargs: captured.update(kwargs))
-        copy.deepcopy(args).create_engine_config()
-    return captured
-
-
 # What the recipe decides, read from the resolved configs. Left out, with why: the served model
 # name, the executor (Ray's in a Serve replica, vLLM's mp on one host) and the structured-output
 # backend (moonserve's STRUCTURED_OUTPUTS: xgrammar without free whitespace, pipeline/config.py).
-SETTINGS = {
-    "architecture": lambda c: c["model_config"].architecture,
-    "max_model_len": lambda c: c["model_config"].max_model_len,
-    "dtype": lambda c: c["model_config"].dtype,
-    "trust_remote_code": lambda c: c["model_config"].trust_remote_code,
-    "mm_encoder_tp_mode": lambda c: c["model_config"].multimodal_config.mm_encoder_tp_mode,
-    "kv_cache_dtype": lambda c: c["cache_config"].cache_dtype,
-    "enable_prefix_caching": lambda c: c["cache_config"].enable_prefix_caching,
-    "gpu_memory_utilization": lambda c: c["cache_config"].gpu_memory_utilization,
-    "tensor_parallel_size": lambda c: c["parallel_config"].tensor_parallel_size,
-    "decode_context_parallel_size": lambda c: c["parallel_config"].decode_context_parallel_size,
-    "max_num_seqs": lambda c: c["scheduler_config"].max_num_seqs,
-    "max_num_batched_tokens": lambda c: c["scheduler_config"].max_num_batched_tokens,
-    "scheduling_policy": lambda c: c["scheduler_config"].policy,
-    "long_prefill_token_threshold": lambda c: c["scheduler_config"].long_prefill_token_threshold,
-    "async_scheduling": lambda c: c["scheduler_config"].async_scheduling,
-    "load_format": lambda c: c["load_config"].load_format,
-    "cudagraph_mode": lambda c: c["compilation_config"].cudagraph_mode,
-    "custom_ops": lambda c: c["compilation_config"].custom_ops,
-    "reasoning_parser": lambda c: c["structured_outputs_config"].reasoning_parser,
-    "speculative_method": lambda c: c["speculative_config"].method,
-    "num_speculative_tokens": lambda c: c["speculative_config"].num_speculative_tokens,
-    "draft_architecture": lambda c: c["speculative_config"].draft_model_config.architecture,
-    "draft_attention_backend": lambda c: c["speculative_config"].attention_backend,
-    "draft_sample_method": lambda c: c["speculative_config"].draft_sample_method,
-    "rejection_sample_method": lambda c: c["speculative_config"].rejection_sample_method,
-    "draft_tensor_parallel_size": lambda c: c["speculative_config"].draft_tensor_parallel_size,
+SETTINGS = {  # name -> the attribute path in what VllmConfig gets
+    "architecture": "model_config.architecture",
+    "max_model_len": "model_config.max_model_len",
+    "dtype": "model_config.dtype",
+    "trust_remote_code": "model_config.trust_remote_code",
+    "mm_encoder_tp_mode": "model_config.multimodal_config.mm_encoder_tp_mode",
+    "kv_cache_dtype": "cache_config.cache_dtype",
+    "enable_prefix_caching": "cache_config.enable_prefix_caching",
+    "gpu_memory_utilization": "cache_config.gpu_memory_utilization",
+    "tensor_parallel_size": "parallel_config.tensor_parallel_size",
+    "decode_context_parallel_size": "parallel_config.decode_context_parallel_size",
+    "max_num_seqs": "scheduler_config.max_num_seqs",
+    "max_num_batched_tokens": "scheduler_config.max_num_batched_tokens",
+    "scheduling_policy": "scheduler_config.policy",
+    "long_prefill_token_threshold": "scheduler_config.long_prefill_token_threshold",
+    "async_scheduling": "scheduler_config.async_scheduling",
+    "load_format": "load_config.load_format",
+    "cudagraph_mode": "compilation_config.cudagraph_mode",
+    "custom_ops": "compilation_config.custom_ops",
+    "reasoning_parser": "structured_outputs_config.reasoning_parser",
+    "speculative_method": "speculative_config.method",
+    "num_speculative_tokens": "speculative_config.num_speculative_tokens",
+    "draft_architecture": "speculative_config.draft_model_config.architecture",
+    "draft_attention_backend": "speculative_config.attention_backend",
+    "draft_sample_method": "speculative_config.draft_sample_method",
+    "rejection_sample_method": "speculative_config.rejection_sample_method",
+    "draft_tensor_parallel_size": "speculative_config.draft_tensor_parallel_size",
 }
 
 
+def settings(parts: dict) -> dict:
+    """Every SETTINGS value read from `vllm_config_parts`' result."""
+    return {name: attrgetter(path)(SimpleNamespace(**parts)) for name, path in SETTINGS.items()}
+
+
 def test_vllm_resolves_the_recipe_profile_as_it_resolves_the_recipe(recipe_args, profile_args):
-    recipe, profile = resolved(recipe_args[0]), resolved(profile_args)
-    differ = {name: (read(recipe), read(profile)) for name, read in SETTINGS.items()
-              if read(recipe) != read(profile)}
-    assert differ == {}
+    recipe = settings(vllm_config_parts(recipe_args[0]))
+    profile = settings(vllm_config_parts(profile_args))
+    assert {name: (recipe[name], profile[name]) for name in SETTINGS
+            if recipe[name] != profile[name]} == {}
     # What that is: the recipe's engine, not the full profile's.
-    assert (SETTINGS["kv_cache_dtype"](profile), SETTINGS["enable_prefix_caching"](profile),
-            SETTINGS["gpu_memory_utilization"](profile)) == ("auto", True, 0.95)
-    assert (SETTINGS["num_speculative_tokens"](profile), SETTINGS["draft_architecture"](profile),
-            SETTINGS["draft_attention_backend"](profile)) == (8, "Qwen3DSparkModel", None)
+    assert (profile["kv_cache_dtype"], profile["enable_prefix_caching"],
+            profile["gpu_memory_utilization"]) == ("auto", True, 0.95)
+    assert (profile["num_speculative_tokens"], profile["draft_architecture"],
+            profile["draft_attention_backend"]) == (8, "Qwen3DSparkModel", None)
 
 
 def test_the_full_profile_differs_from_the_recipe_where_bring_up_says(checkpoints, recipe_args):
@@ -154,22 +148,20 @@ def test_the_full_profile_differs_from_the_recipe_where_bring_up_says(checkpoint
     app = load_app_config(PRODUCTION)
     target = checkpoints[0]
     draft = write_dspark_config(target.parent / "kimi-k3.1-pro-dspark")
-    full = resolved(engine_args(
+    full = vllm_config_parts(engine_args(
         app.language_model.engine, str(target), app.draft.model_copy(update={"model": str(draft)}),
         app.language_model.chat.reasoning.parser,
         ImageInput(app.vision.encoder.store, app.router.limits.max_images),
         image_format(target).modality))
-    recipe = resolved(recipe_args[0])
-    differ = {name for name, read in SETTINGS.items() if read(recipe) != read(full)}
-    assert differ == {"kv_cache_dtype", "gpu_memory_utilization",
+    recipe = vllm_config_parts(recipe_args[0])
+    recipe_settings, full_settings = settings(recipe), settings(full)
+    assert {name for name in SETTINGS if recipe_settings[name] != full_settings[name]} == {"kv_cache_dtype", "gpu_memory_utilization",
                       "scheduling_policy", "long_prefill_token_threshold",
                       "num_speculative_tokens", "draft_architecture", "draft_attention_backend"}
     # And the images: the full profile's engine reads the VisionEncoder's outputs (step 1).
     assert full["ec_transfer_config"].is_ec_consumer
     assert recipe.get("ec_transfer_config") is None
     # The replica's start line shows each (test_the_replicas_start_line_says_what_vllm_resolved).
-    from types import SimpleNamespace
-
     from moonserve.deployments.language_model import resolved_summary
 
     line = resolved_summary(SimpleNamespace(**full))
@@ -222,15 +214,13 @@ def test_the_recipes_moe_env_runs_a4w4_in_this_vllm_and_the_full_profile_a8w4():
         {"activation": "a8w4", "aiter": ["AITER_SITUV2_A8W4"]}]
 
 
-def test_the_replicas_start_line_says_what_vllm_resolved(recipe_args, profile_args, checkpoints):
+def test_the_replicas_start_line_says_what_vllm_vllm_config_parts(recipe_args, profile_args, checkpoints):
     """`resolved_summary`, logged by each LanguageModel replica at start, reads vLLM's resolved
     configs (here the sub-configs VllmConfig gets), so docs/bring-up.md's steps can be checked in
     the replica's log."""
-    from types import SimpleNamespace
-
     from moonserve.deployments.language_model import resolved_summary
 
-    line = resolved_summary(SimpleNamespace(**resolved(profile_args)))
+    line = resolved_summary(SimpleNamespace(**vllm_config_parts(profile_args)))
     assert line.startswith("moonserve LanguageModel engine: architecture="
                            "KimiK3ForConditionalGeneration, tp=8, dcp=1, max_model_len=1048576, "
                            "kv_cache_dtype=auto, prefix_caching=True")
