@@ -19,18 +19,26 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moonserve.pipeline.api.application_lanes import SharedLanes
-from moonserve.pipeline.api.auth import ApiKeys, client_id
+from moonserve.pipeline.api.auth import ApiKeys, bearer_key, client_id, digest
 from moonserve.pipeline.api.background import in_background
 from moonserve.pipeline.api.body import parse_body, read_body
 from moonserve.pipeline.api.errors import APIError, InternalErrors, bad_request
 from moonserve.pipeline.api.lanes import Lanes
+from moonserve.pipeline.api.messages import (
+    CountTokensRequest,
+    MessagesRequest,
+    MessagesTurn,
+    anthropic_error,
+)
 from moonserve.pipeline.api.limits import (
     check_chat_limits,
     check_completion_limits,
@@ -38,6 +46,8 @@ from moonserve.pipeline.api.limits import (
     check_prompt_chars,
 )
 from moonserve.pipeline.api.prompt import PromptBuilder, check_token_ids, resolve_max_tokens
+from moonserve.pipeline.api.response_store import ResponseStore
+from moonserve.pipeline.api.responses import ResponsesRequest, ResponsesTurn, renamed
 from moonserve.pipeline.api.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -49,7 +59,7 @@ from moonserve.pipeline.api.protocol import (
     TokenizeRequest,
     sampling_spec,
 )
-from moonserve.pipeline.api.streaming import ResponseFormat, StreamEncoder, sse
+from moonserve.pipeline.api.streaming import ResponseFormat, StreamEncoder
 from moonserve.pipeline.api.token_buckets import rate_limited
 from moonserve.pipeline.config import ChatConfig, RouterConfig, VisionConfig
 from moonserve.pipeline.models.chat_templates import chat_template_text
@@ -102,6 +112,8 @@ class Router:
         self.hint_header = config.lanes.hint_header
         self.template_tokens = template_tokens(self.prompts)
         self.output_host = config.outputs.host
+        self.stored = config.responses
+        self.store = ResponseStore(Path(config.responses.database), config.responses.retention_s)
         self.receiver: OutputReceiver | None = None  # made with the engine's tokenizer, once
         self.making_receiver: asyncio.Future | None = None
         self._info: ModelInfo | None = None
@@ -118,6 +130,15 @@ class Router:
         app = FastAPI(title="moonserve", version="0.1.0")
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        app.add_api_route("/v1/messages", self.create_message, methods=["POST"])
+        app.add_api_route("/v1/messages/count_tokens", self.count_message_tokens,
+                          methods=["POST"])
+        app.add_api_route("/v1/responses", self.create_response, methods=["POST"])
+        app.add_api_route("/v1/responses/{response_id}", self.get_response, methods=["GET"])
+        app.add_api_route("/v1/responses/{response_id}", self.delete_response,
+                          methods=["DELETE"])
+        app.add_api_route("/v1/responses/{response_id}/input_items", self.response_input_items,
+                          methods=["GET"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/tokenize", self.tokenize_endpoint, methods=["POST"])
         app.add_api_route("/detokenize", self.detokenize_endpoint, methods=["POST"])
@@ -134,7 +155,7 @@ class Router:
 
     def authenticate(self, request: Request) -> None:
         if self.api_keys is not None:
-            self.api_keys.check(request.headers.get("authorization"))
+            self.api_keys.check(authorization(request))
 
     async def parse(self, request: Request, model):
         """Auth, then the client's rate limits, then the body within its byte limit, then
@@ -154,7 +175,7 @@ class Router:
         self.lanes.refuse_early(request.headers.get(self.hint_header), limit)
 
     def client(self, request: Request) -> str:
-        return client_id(request.headers.get("authorization"),
+        return client_id(authorization(request),
                          request.client.host if request.client else None,
                          keyed=self.api_keys is not None)
 
@@ -182,6 +203,13 @@ class Router:
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
         body = await self.parse(request, ChatCompletionRequest)
+        return await self.run_chat(request, body, arrival, f"chatcmpl-{uuid.uuid4().hex}")
+
+    async def run_chat(self, request: Request, body: ChatCompletionRequest, arrival: float,
+                       request_id: str, turn: ResponsesTurn | MessagesTurn | None = None,
+                       keep=None) -> Response:
+        """A chat request's whole path after parsing; `turn` when it answers `POST /v1/responses`
+        or `POST /v1/messages` (`keep` stores a Response)."""
         check_chat_limits(body, self.limits)
         info = await self.check_model(body.model)
         self.refuse_early(request, bounded=not body.image_parts() and not body.tools)
@@ -201,8 +229,8 @@ class Router:
         except BaseException:
             images.release()
             raise
-        job = Job(f"chatcmpl-{uuid.uuid4().hex}", body, prompt_ids, info, "messages", chat=True,
-                  images=images, plan=plan)
+        job = Job(request_id, body, prompt_ids, info, "messages", chat=True, images=images,
+                  plan=plan, turn=turn, keep=keep)
         try:
             return await self.admit_and_respond(request, job, arrival)
         finally:
@@ -234,6 +262,97 @@ class Router:
                                          len(body.prompt))
         job = Job(f"cmpl-{uuid.uuid4().hex}", body, prompt_ids, info, "prompt", chat=False)
         return await self.admit_and_respond(request, job, arrival)
+
+    async def create_response(self, request: Request) -> Response:
+        """OpenAI's `POST /v1/responses`, run as a chat request (`ResponsesTurn`)."""
+        arrival = time.monotonic()
+        body = await self.parse(request, ResponsesRequest)
+        if body.store and request.state.body_bytes > self.stored.max_stored_bytes:
+            raise bad_request(f"store: a request of {request.state.body_bytes} bytes exceeds the "
+                              f"{self.stored.max_stored_bytes} bytes a stored response may hold; "
+                              "send store: false", "store", "response_too_large_to_store")
+        owner = self.owner(request)
+        history, session = ([], None) if body.previous_response_id is None else \
+            await asyncio.to_thread(self.store.history, owner, body.previous_response_id)
+        info = await self.check_model(body.model)
+        turn = ResponsesTurn(body, history, info.name, session)
+        chat = turn.chat_request()
+
+        async def keep(response: dict) -> None:
+            await asyncio.to_thread(self.store.put, owner, response, turn.items,
+                                    turn.turn_messages(response))
+
+        try:
+            return await self.run_chat(request, chat, arrival, turn.response_id, turn,
+                                       keep if body.store else None)
+        except APIError as exc:
+            raise renamed(exc, turn.origins_of_chat) from None
+
+    async def create_message(self, request: Request) -> Response:
+        """Anthropic's `POST /v1/messages`, run as a chat request (`MessagesTurn`); errors in
+        Anthropic's shape."""
+        try:
+            arrival = time.monotonic()
+            body = await self.parse(request, MessagesRequest)
+            turn = MessagesTurn(body, (await self.check_model(body.model)).name)
+            chat = turn.chat_request()
+            try:
+                return await self.run_chat(request, chat, arrival, turn.message_id, turn)
+            except APIError as exc:
+                raise turn.renamed(exc) from None
+        except APIError as exc:
+            return JSONResponse(anthropic_error(exc), exc.status, headers=exc.headers)
+
+    async def count_message_tokens(self, request: Request) -> Response:
+        """Anthropic's `POST /v1/messages/count_tokens`: the prompt's tokens, images and tools
+        included, as the request would be charged."""
+        try:
+            body = await self.parse(request, CountTokensRequest)
+            turn = MessagesTurn(body, (await self.check_model(body.model)).name)
+            chat = turn.chat_request()
+            try:
+                check_chat_limits(chat, self.limits)
+                return JSONResponse({"input_tokens": len(await self.chat_prompt_ids(chat))})
+            except APIError as exc:
+                raise turn.renamed(exc) from None
+        except APIError as exc:
+            return JSONResponse(anthropic_error(exc), exc.status, headers=exc.headers)
+
+    async def chat_prompt_ids(self, body: ChatCompletionRequest) -> list[int]:
+        """The prompt a chat request would get, its images preprocessed to count their tokens
+        (not encoded)."""
+        parts = body.image_parts()
+        image_tokens = []
+        if parts:
+            self.check_vision(parts)
+            image_tokens = self.images.counts(await self.images.layout(parts))
+        return await self.tokenize(lambda b: self.prompts.chat_prompt_ids(
+            b.messages, self.images.placeholder if parts else "", image_tokens,
+            template_kwargs=b.template_kwargs(),
+            image_text=self.images.text if parts else None), body,
+            sum(len(m.text()) for m in body.messages))
+
+    async def get_response(self, request: Request, response_id: str) -> dict:
+        self.authenticate(request)
+        return await asyncio.to_thread(self.store.get, self.owner(request), response_id)
+
+    async def delete_response(self, request: Request, response_id: str) -> dict:
+        self.authenticate(request)
+        await asyncio.to_thread(self.store.delete, self.owner(request), response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    async def response_input_items(self, request: Request, response_id: str) -> dict:
+        """The stored turn's input items, paged as OpenAI pages them (`limit`, `order`,
+        `after`)."""
+        self.authenticate(request)
+        items = await asyncio.to_thread(self.store.input_items, self.owner(request), response_id)
+        return page(items, request.query_params)
+
+    def owner(self, request: Request) -> str:
+        """Whose stored responses a request sees: its API key's digest ("" when auth is off)."""
+        if self.api_keys is None:
+            return ""
+        return digest(bearer_key(authorization(request)) or "").hex()
 
     async def tokenize_endpoint(self, request: Request) -> dict:
         """vLLM's `POST /tokenize`: the prompt ids a completion or chat request would get (images
@@ -337,7 +456,9 @@ class Router:
                 return await self.respond_stream(job, generate, slot, trace)
             completion = await self.complete(generate, trace, job.image_embeds)
             # Parsed here: an answer without the call tool_choice requires is an error.
-            body = job.response_format().full(completion)
+            body = job.full(completion)
+            if job.keep is not None:
+                await job.keep(body)
         except BaseException:
             slot.release()
             trace.finish(ok=False)
@@ -352,8 +473,8 @@ class Router:
         # Wait for the first delta before sending headers, so a failure before any token (LM
         # replica gone, engine error) is an HTTP status the client can act on, not a 200 stream.
         first = await anext(deltas, None)
-        encoder = StreamEncoder(job.response_format(), job.body.include_usage(), job.body.n)
-        return SlotStreamingResponse(slot, trace, self.stream(first, deltas, encoder),
+        return SlotStreamingResponse(slot, trace,
+                                     self.stream(first, deltas, job.stream_encoder(), job.keep),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
 
@@ -364,7 +485,8 @@ class Router:
             completion.add(delta)
         return completion
 
-    async def stream(self, first, deltas, encoder: StreamEncoder):
+    async def stream(self, first, deltas, encoder, keep=None):
+        """`keep`: stores the Response a Responses stream ends with."""
         failed = False
         try:
             yield encoder.opening()
@@ -376,18 +498,20 @@ class Router:
         except APIError as exc:
             # Headers are gone; OpenAI clients read an `error` event in the stream.
             failed = True
-            yield sse(exc.body())
+            yield encoder.error(exc)
         except Exception as exc:  # a bug past the headers still ends the stream as a client reads it
             failed = True
-            logger.exception("request %s: the stream failed", encoder.fmt.request_id)
-            yield sse(APIError(500, f"the stream failed ({type(exc).__name__}); request "
-                               f"{encoder.fmt.request_id}",
-                               type="internal_error", code="stream_failed").body())
+            logger.exception("request %s: the stream failed", encoder.request_id)
+            yield encoder.error(APIError(500, f"the stream failed ({type(exc).__name__}); "
+                                         f"request {encoder.request_id}",
+                                         type="internal_error", code="stream_failed"))
         finally:
             await deltas.aclose()
         # An error event is the stream's last before [DONE] (as vLLM's server ends it): no usage
         # chunk after it, which an OpenAI client, having raised at the error, never reads.
         yield encoder.closing(with_usage=not failed)
+        if keep is not None and not failed:
+            await keep(encoder.response)
 
     async def deltas(self, request: GenerateRequest, trace: RequestTrace, image_embeds: list):
         """The request's deltas: vLLM's engine core outputs arrive on this replica's output
@@ -508,12 +632,59 @@ class Job:
     images: EncodingImages = field(default_factory=EncodingImages.none)
     image_embeds: list = field(default_factory=list)  # ObjectRefs, once encoded
     plan: ChatPlan | None = None  # chat only: constraint and output parsing
+    # The Responses or Messages turn this chat request answers (its body's shape).
+    turn: ResponsesTurn | MessagesTurn | None = None
+    keep: Callable[[dict], Awaitable[None]] | None = None  # stores a Responses turn
+
+    def full(self, completion: Completion) -> dict:
+        """The response body of a finished answer."""
+        if self.turn is not None:
+            return self.turn.full(self.response_format().parser(0), completion)
+        return self.response_format().full(completion)
+
+    def stream_encoder(self):
+        """StreamEncoder, or the turn's (`ResponsesStream`, `MessagesStream`)."""
+        if self.turn is not None:
+            return self.turn.stream_encoder(self.response_format().parser(0))
+        return StreamEncoder(self.response_format(), self.body.include_usage(), self.body.n)
 
     def response_format(self) -> ResponseFormat:
         if self.plan is None:
             return ResponseFormat(self.request_id, self.info.name, chat=self.chat)
         return ResponseFormat(self.request_id, self.info.name, chat=self.chat,
                               parser=lambda index: self.plan.choice_parser(self.prompt_ids))
+
+
+def authorization(request: Request) -> str | None:
+    """The request's API key as an `Authorization` header: OpenAI clients send that one,
+    Anthropic's send `x-api-key`."""
+    header = request.headers.get("authorization")
+    if header is None and (key := request.headers.get("x-api-key")):
+        return f"Bearer {key}"
+    return header
+
+
+def page(items: list[dict], query) -> dict:
+    """OpenAI's list page of `items` (stored in input order) for `limit`, `order`, `after`."""
+    try:
+        limit = int(query.get("limit", 20))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise bad_request("limit: an integer from 1 to 100", "limit")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request("order: 'asc' or 'desc'", "order")
+    items = items if order == "asc" else items[::-1]
+    after = query.get("after")
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise bad_request(f"after: no item {after!r} in this response's input", "after")
+        items = items[ids.index(after) + 1:]
+    data = items[:limit]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": len(items) > limit}
 
 
 def node_ip_address() -> str:

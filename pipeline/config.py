@@ -819,6 +819,21 @@ class OutputsConfig(StrictModel):
         "token); null: this node's IP, as Ray knows it."))
 
 
+class ResponsesConfig(StrictModel):
+    """Stored Responses: `POST /v1/responses` keeps each turn (`store: true`, OpenAI's default) for
+    `GET`, `DELETE`, `input_items` and `previous_response_id`, visible only to the API key that
+    made it (docs/agents.md)."""
+
+    database: str = Field("~/.cache/moonserve/responses.sqlite3", description=(
+        "The SQLite file every Router replica of a node opens; a turn stored by one replica is "
+        "read by the others and survives their restarts."))
+    retention_s: PositiveFloat = Field(30 * 86400.0, description=(
+        "How long a stored response stays readable (OpenAI keeps them 30 days)."))
+    max_stored_bytes: PositiveInt = Field(1 << 24, description=(
+        "Largest request body a stored turn may come from (images included); a larger one must "
+        "send `store: false` (400)."))
+
+
 class RouterConfig(StrictModel):
     deployment: DeploymentOptions = Field(DeploymentOptions(max_ongoing_requests=256), description=(
         "Serve options of the Router; its max_ongoing_requests must hold its lanes (in flight "
@@ -836,6 +851,8 @@ class RouterConfig(StrictModel):
         "app runs a RateLimiter deployment."))
     outputs: OutputsConfig = Field(OutputsConfig(), description=(
         "How generated tokens travel from the LanguageModel to the Router."))
+    responses: ResponsesConfig = Field(ResponsesConfig(), description=(
+        "Where `POST /v1/responses` stores its turns, and for how long."))
     # - `proxy`: Ray Serve's proxy actor forwards each request, and each SSE event of it as a Ray
     #   streaming item. It listens on `http_options.host` only (the embedded default: 127.0.0.1).
     # - `haproxy`: Serve's HAProxy mode (`RAY_SERVE_ENABLE_HA_PROXY=1`, set by `moonserve serve` on

@@ -70,8 +70,17 @@ def from_validation_error(exc: ValidationError) -> APIError:
 
 # Labels pydantic puts in `loc` for the members of a union (`str`, `list[...]`, `function-after`).
 _UNION_MEMBER_LABELS = {"str", "int", "float", "bool", "dict", "function-after", "function-plain"}
-# Tags of the content-part union: in `loc` a tag follows the part's list index.
-CONTENT_PART_TAGS = {"text", "image_url"}
+# Tags of the content-part and item unions: in `loc` a tag follows the part's list index.
+CONTENT_PART_TAGS = {"text", "image_url",
+                     # the Responses API's content parts and input items
+                     "input_text", "input_image", "output_text", "message", "function_call",
+                     "function_call_output", "reasoning",
+                     # the Messages API's content blocks
+                     "image", "tool_use", "tool_result", "thinking"}
+# Tags of the unions a field holds: in `loc` the tag follows the field's name.
+FIELD_TAGS = {"source": {"base64", "url"},
+              "format": {"text", "json_object", "json_schema"},
+              "response_format": {"text", "json_object", "json_schema"}}
 
 
 def field_loc(loc: tuple) -> tuple:
@@ -79,8 +88,11 @@ def field_loc(loc: tuple) -> tuple:
     out: list = []
     previous = None
     for part in loc:
-        is_label = isinstance(part, str) and ("[" in part or part in _UNION_MEMBER_LABELS)
-        is_tag = isinstance(previous, int) and part in CONTENT_PART_TAGS
+        # A model class among a union's members (`FunctionChoice`): API fields are snake_case.
+        is_label = isinstance(part, str) and ("[" in part or part in _UNION_MEMBER_LABELS
+                                              or part[:1].isupper())
+        is_tag = (isinstance(previous, int) and part in CONTENT_PART_TAGS) or \
+            (isinstance(previous, str) and part in FIELD_TAGS.get(previous, ()))
         if not (is_label or is_tag):
             out.append(part)
         previous = part

@@ -593,6 +593,9 @@ class GenerationDelta(msgspec.Struct, array_like=True):
     index: int = 0
     token_ids: list[int] = msgspec.field(default_factory=list)
     finished: bool = False
+    num_cached_tokens: int = 0  # of the prompt, from the engine's prefix cache
+    num_cache_write_tokens: int = 0  # of the prompt, newly written to that cache
+    stop_string: str | None = None  # the stop sequence that ended the choice
 
 
 def merge_deltas(deltas: list[GenerationDelta]) -> list[GenerationDelta]:
@@ -616,7 +619,11 @@ def merge_deltas(deltas: list[GenerationDelta]) -> list[GenerationDelta]:
         into.num_tokens += delta.num_tokens
         into.token_ids.extend(delta.token_ids)
         into.finish_reason = delta.finish_reason or into.finish_reason
+        into.stop_string = delta.stop_string or into.stop_string
         into.finished = into.finished or delta.finished
+        into.num_cached_tokens = max(into.num_cached_tokens, delta.num_cached_tokens)
+        into.num_cache_write_tokens = max(into.num_cache_write_tokens,
+                                          delta.num_cache_write_tokens)
         if delta.logprobs is not None:
             into.logprobs = [*(into.logprobs or []), *delta.logprobs]
     return list(by_choice.values())
@@ -667,6 +674,8 @@ def sampling_spec(request: SamplingFields, max_tokens: int,
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache
+    cache_write_tokens: int = 0  # prompt tokens it wrote there
 
     def as_dict(self) -> dict:
         return {
@@ -685,11 +694,13 @@ class ChoiceOutput:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
+    stop_string: str | None = None
 
     def add(self, delta: GenerationDelta) -> None:
         self.text_parts.append(delta.text)
         self.token_ids.extend(delta.token_ids)
         self.finish_reason = delta.finish_reason or self.finish_reason
+        self.stop_string = delta.stop_string or self.stop_string
         if delta.logprobs is not None:
             self.logprobs = self.logprobs or []
             self.logprobs.extend(delta.logprobs)
@@ -710,6 +721,9 @@ class Completion:
         choice = self.choices.setdefault(delta.index, ChoiceOutput(delta.index))
         choice.add(delta)
         self.usage.prompt_tokens = delta.num_prompt_tokens
+        self.usage.cached_tokens = max(self.usage.cached_tokens, delta.num_cached_tokens)
+        self.usage.cache_write_tokens = max(self.usage.cache_write_tokens,
+                                            delta.num_cache_write_tokens)
         self.usage.completion_tokens += delta.num_tokens
         return choice
 

@@ -139,6 +139,14 @@ class StreamEncoder:
         self.parsers: dict[int, Any] = {}
         self.text_offsets: dict[int, int] = {}  # characters streamed per choice (text_offset)
 
+    @property
+    def request_id(self) -> str:
+        return self.fmt.request_id
+
+    def error(self, exc) -> bytes:
+        """An `APIError` past the headers: OpenAI clients read an `error` event in the stream."""
+        return sse(exc.body())
+
     def opening(self) -> bytes:
         """The role chunk of each choice, before the first token (as OpenAI and vLLM do)."""
         if not self.fmt.chat:

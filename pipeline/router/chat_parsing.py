@@ -347,6 +347,10 @@ class ChoiceParser:
             message["tool_calls"] = tool_calls
         return message
 
+    def reasoning_tokens(self, token_ids: list[int]) -> int:
+        """How many of the answer's tokens are thinking (vLLM's reasoning parser counts)."""
+        return self.parser.count_reasoning_tokens(token_ids)
+
     def delta(self, text: str, token_ids: list[int], finish_reason: str | None) -> dict | None:
         """The chunk's `delta` (without role), or None when there is nothing to send yet."""
         message = self.parser.parse_delta(text, list(token_ids), self.plan.request,

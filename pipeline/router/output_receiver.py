@@ -98,6 +98,8 @@ def deltas_of(output, num_logprobs: int | None) -> list[GenerationDelta]:
     """vLLM's RequestOutput (output kind DELTA) as one GenerationDelta per choice that has news;
     the last one marks the request finished."""
     num_prompt_tokens = len(output.prompt_token_ids or ())
+    num_cached = output.num_cached_tokens or 0
+    num_written = getattr(output, "num_cache_creation_tokens", None) or 0
     deltas = [GenerationDelta(
         text=completion.text,
         num_tokens=len(completion.token_ids),
@@ -106,6 +108,9 @@ def deltas_of(output, num_logprobs: int | None) -> list[GenerationDelta]:
         logprobs=token_logprobs(completion.token_ids, completion.logprobs, num_logprobs),
         index=completion.index,
         token_ids=list(completion.token_ids),
+        num_cached_tokens=num_cached,
+        num_cache_write_tokens=num_written,
+        stop_string=completion.stop_reason if isinstance(completion.stop_reason, str) else None,
     ) for completion in output.outputs]
     if output.finished:
         deltas = deltas or [GenerationDelta("", 0, num_prompt_tokens)]

@@ -21,7 +21,9 @@ CHAT_EXAMPLES = 1500
 COMPLETION_EXAMPLES = 500
 RAW_EXAMPLES = 300
 TOKENIZE_EXAMPLES = 200
-tried = {"chat": 0, "completions": 0, "raw": 0, "tokenize": 0}
+RESPONSES_EXAMPLES = 500
+MESSAGES_EXAMPLES = 500
+tried = {"chat": 0, "completions": 0, "raw": 0, "tokenize": 0, "responses": 0, "messages": 0}
 
 json_scalar = (st.none() | st.booleans() | st.integers(-(2**70), 2**70)
                | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12))
@@ -122,6 +124,89 @@ tokenize_body = st.fixed_dictionaries(
                   "return_token_strs": either(st.booleans()),
                   "tools": tool_fields["tools"], "surprise": json_value})
 
+# The Responses API (pipeline/api/responses.py): items and parts of each kind, the flat tools.
+input_part = st.fixed_dictionaries(
+    {"type": st.sampled_from(["input_text", "input_image", "output_text", "input_file"]),
+     "text": either(st.text(max_size=20))}, optional={"image_url": either(st.just("data:x"))})
+input_item = st.one_of(
+    st.fixed_dictionaries({"role": either(st.sampled_from(["user", "assistant", "system", "tool"])),
+                           "content": either(st.text(max_size=30) | st.lists(input_part,
+                                                                             max_size=2))},
+                          optional={"type": st.just("message"), "id": json_value}),
+    st.fixed_dictionaries({"type": st.just("function_call"),
+                           "call_id": either(st.sampled_from(["c1", "c2"])), "name": tool_name,
+                           "arguments": either(st.sampled_from(['{"city": "Paris"}', "[1]"]))}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"),
+                           "call_id": either(st.sampled_from(["c1", "c3"])),
+                           "output": either(st.text(max_size=10))}),
+    st.fixed_dictionaries({"type": st.sampled_from(["reasoning", "item_reference"]),
+                           "summary": either(st.just([]))}))
+flat_tool = st.fixed_dictionaries(
+    {"type": either(st.just("function")), "name": tool_name},
+    optional={"parameters": schema, "description": st.text(max_size=10), "strict": st.booleans()})
+responses_body = st.fixed_dictionaries(
+    {"model": either(st.just(MODEL)),
+     "input": either(st.text(max_size=30) | st.lists(input_item, max_size=3))},
+    optional={"instructions": either(st.text(max_size=20)),
+                  "tools": either(st.lists(flat_tool, max_size=2)),
+                  "tool_choice": either(st.sampled_from(["none", "auto", "required", "any"])
+                                        | st.fixed_dictionaries({"type": st.just("function"),
+                                                                 "name": tool_name})),
+                  "parallel_tool_calls": either(st.booleans()),
+                  "text": either(st.fixed_dictionaries({"format": either(st.sampled_from(
+                      [{"type": "text"}, {"type": "json_object"},
+                       {"type": "json_schema", "name": "x", "schema": {"type": "object"}},
+                       {"type": "json_schema", "name": "x", "schema": {"type": "objekt"}}]))})),
+                  "reasoning": either(st.fixed_dictionaries(
+                      {"effort": st.sampled_from(["low", "high", "extreme"])})),
+                  "max_output_tokens": either(st.integers(-1, 2)),
+                  "temperature": sampling["temperature"], "top_p": sampling["top_p"],
+                  "stream": either(st.booleans()), "store": either(st.booleans()),
+                  "previous_response_id": either(st.just("resp_missing")),
+                  "include": either(st.lists(st.text(max_size=8), max_size=1)),
+                  "truncation": either(st.sampled_from(["disabled", "auto"])),
+                  "background": json_value, "surprise": json_value})
+
+# Anthropic's Messages API (pipeline/api/messages.py): blocks of each kind in either role.
+block = st.one_of(
+    st.fixed_dictionaries({"type": st.sampled_from(["text", "thinking", "document"]),
+                           "text": either(st.text(max_size=20))}),
+    st.fixed_dictionaries({"type": st.just("image"), "source": either(st.fixed_dictionaries(
+        {"type": st.sampled_from(["base64", "url"]),
+         "media_type": st.sampled_from(["image/png", "image/bmp"]),
+         "data": st.sampled_from(["AAAA", "not base64"])}))}),
+    st.fixed_dictionaries({"type": st.just("tool_use"), "id": st.sampled_from(["t1", "t2"]),
+                           "name": tool_name, "input": either(st.just({"city": "Paris"}))}),
+    st.fixed_dictionaries({"type": st.just("tool_result"),
+                           "tool_use_id": st.sampled_from(["t1", "t3"])},
+                          optional={"content": either(st.text(max_size=10)),
+                                    "is_error": st.booleans()}))
+anthropic_message = st.fixed_dictionaries(
+    {"role": either(st.sampled_from(["user", "assistant", "system"])),
+     "content": either(st.text(max_size=30) | st.lists(block, max_size=3))})
+anthropic_tool = st.fixed_dictionaries({"name": tool_name}, optional={
+    "input_schema": schema, "description": st.text(max_size=10)})
+messages_body = st.fixed_dictionaries(
+    {"model": either(st.just(MODEL)),
+     "messages": either(st.lists(anthropic_message, max_size=3)),
+     "max_tokens": either(st.integers(-1, 2))},
+    optional={"system": either(st.text(max_size=20)),
+              "tools": either(st.lists(anthropic_tool, max_size=2)),
+              "tool_choice": either(st.fixed_dictionaries(
+                  {"type": st.sampled_from(["auto", "any", "tool", "none", "all"])},
+                  optional={"name": tool_name, "disable_parallel_tool_use": st.booleans()})),
+              "stop_sequences": either(st.lists(st.text(max_size=3), max_size=5)),
+              "thinking": either(st.fixed_dictionaries(
+                  {"type": st.sampled_from(["enabled", "disabled", "adaptive"])},
+                  optional={"budget_tokens": st.integers(0, 5000)})),
+              "output_config": either(st.fixed_dictionaries({}, optional={
+                  "effort": st.sampled_from(["low", "max", "huge"]),
+                  "format": st.fixed_dictionaries({"type": st.just("json_schema"),
+                                                   "schema": schema})})),
+              "temperature": either(st.floats(-1, 2)), "top_k": either(st.integers(-2, 5)),
+              "stream": either(st.booleans()), "metadata": json_value,
+              "speed": json_value, "surprise": json_value})
+
 
 @pytest.fixture(scope="module")
 def fuzz_url(server):
@@ -179,6 +264,49 @@ def test_fuzz_tokenize(fuzz_url, body, path):
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
+@settings(max_examples=RESPONSES_EXAMPLES, **FUZZ_SETTINGS)
+@given(body=responses_body)
+def test_fuzz_responses(fuzz_url, body):
+    tried["responses"] += 1
+    r = fuzz_url.post("/v1/responses", json=body)
+    assert r.status_code < 500, f"{r.status_code}: {r.text[:500]}"
+    if r.status_code != 200:
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"]
+        return
+    if body.get("stream") is not True:
+        assert r.json()["status"] in ("completed", "incomplete")
+        return
+    events = [json.loads(chunk.split("\n")[1].removeprefix("data: "))
+              for chunk in r.text.split("\n\n") if chunk]
+    assert events[-1]["type"] in ("response.completed", "response.incomplete",
+                                  "response.failed"), events[-1]
+    for event in events:
+        # As in chat streams: only a forced call that max_output_tokens cut short.
+        assert event["type"] != "error" or event["code"] == "tool_call_incomplete", event
+
+
+@settings(max_examples=MESSAGES_EXAMPLES, **FUZZ_SETTINGS)
+@given(body=messages_body)
+def test_fuzz_messages(fuzz_url, body):
+    tried["messages"] += 1
+    r = fuzz_url.post("/v1/messages", json=body)
+    assert r.status_code < 500, f"{r.status_code}: {r.text[:500]}"
+    if r.status_code != 200:
+        body = r.json()
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
+        assert body["error"]["message"]
+        return
+    if body.get("stream") is not True:
+        assert r.json()["stop_reason"] in ("end_turn", "max_tokens", "stop_sequence", "tool_use")
+        return
+    events = [json.loads(chunk.split("\n")[1].removeprefix("data: "))
+              for chunk in r.text.split("\n\n") if chunk]
+    assert events[-1]["type"] in ("message_stop", "error"), events[-1]
+    for event in events:
+        assert event["type"] != "error" or "max_tokens" in event["error"]["message"], event
+
+
 @settings(max_examples=RAW_EXAMPLES, **FUZZ_SETTINGS)
 @given(raw=st.binary(max_size=200) | st.text(max_size=100).map(lambda t: t.encode("utf-8", "surrogatepass")))
 def test_fuzz_raw_bytes(fuzz_url, raw):
@@ -193,4 +321,5 @@ def test_fuzz_counts(fuzz_url):
     if total == 0:
         pytest.skip("the fuzz tests were deselected")
     print(f"\nfuzzed inputs tried: {tried} total={total}")
-    assert total >= CHAT_EXAMPLES + COMPLETION_EXAMPLES + RAW_EXAMPLES + TOKENIZE_EXAMPLES
+    assert total >= CHAT_EXAMPLES + COMPLETION_EXAMPLES + RAW_EXAMPLES + TOKENIZE_EXAMPLES + \
+        RESPONSES_EXAMPLES + MESSAGES_EXAMPLES
