@@ -21,7 +21,6 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -46,7 +45,7 @@ from moonserve.pipeline.api.limits import (
     check_prompt_chars,
 )
 from moonserve.pipeline.api.prompt import PromptBuilder, check_token_ids, resolve_max_tokens
-from moonserve.pipeline.api.response_store import ResponseStore
+from moonserve.pipeline.api.response_store import open_store
 from moonserve.pipeline.api.responses import ResponsesRequest, ResponsesTurn, renamed
 from moonserve.pipeline.api.protocol import (
     ChatCompletionRequest,
@@ -113,7 +112,7 @@ class Router:
         self.template_tokens = template_tokens(self.prompts)
         self.output_host = config.outputs.host
         self.stored = config.responses
-        self.store = ResponseStore(Path(config.responses.database), config.responses.retention_s)
+        self.store = open_store(config.responses.database, config.responses.retention_s)
         self.receiver: OutputReceiver | None = None  # made with the engine's tokenizer, once
         self.making_receiver: asyncio.Future | None = None
         self._info: ModelInfo | None = None
@@ -207,12 +206,13 @@ class Router:
 
     async def run_chat(self, request: Request, body: ChatCompletionRequest, arrival: float,
                        request_id: str, turn: ResponsesTurn | MessagesTurn | None = None,
-                       keep=None) -> Response:
+                       keep=None, bounded: bool = True) -> Response:
         """A chat request's whole path after parsing; `turn` when it answers `POST /v1/responses`
-        or `POST /v1/messages` (`keep` stores a Response)."""
+        or `POST /v1/messages` (`keep` stores a Response). `bounded`: the body holds the whole
+        conversation (not so for a Responses turn that continues stored ones)."""
         check_chat_limits(body, self.limits)
         info = await self.check_model(body.model)
-        self.refuse_early(request, bounded=not body.image_parts() and not body.tools)
+        self.refuse_early(request, bounded=bounded and not body.image_parts() and not body.tools)
         plan = self.parsing.plan(body)
         images = await self.start_images(body)
         placeholder = "" if self.images is None else self.images.placeholder
@@ -284,7 +284,7 @@ class Router:
 
         try:
             return await self.run_chat(request, chat, arrival, turn.response_id, turn,
-                                       keep if body.store else None)
+                                       keep if body.store else None, bounded=not history)
         except APIError as exc:
             raise renamed(exc, turn.origins_of_chat) from None
 
@@ -509,9 +509,13 @@ class Router:
             await deltas.aclose()
         # An error event is the stream's last before [DONE] (as vLLM's server ends it): no usage
         # chunk after it, which an OpenAI client, having raised at the error, never reads.
-        yield encoder.closing(with_usage=not failed)
+        closing = encoder.closing(with_usage=not failed)
         if keep is not None and not failed:
-            await keep(encoder.response)
+            try:
+                await keep(encoder.response)  # before the last event: it says the turn is kept
+            except APIError as exc:
+                yield encoder.error(exc)
+        yield closing
 
     async def deltas(self, request: GenerateRequest, trace: RequestTrace, image_embeds: list):
         """The request's deltas: vLLM's engine core outputs arrive on this replica's output

@@ -825,8 +825,8 @@ class ResponsesConfig(StrictModel):
     made it (docs/agents.md)."""
 
     database: str = Field("~/.cache/moonserve/responses.sqlite3", description=(
-        "The SQLite file every Router replica of a node opens; a turn stored by one replica is "
-        "read by the others and survives their restarts."))
+        "Where every Router replica reads and writes stored turns: a SQLite file (the replicas "
+        "of one node) or a `redis://host:port/db` URL (every node of a cluster)."))
     retention_s: PositiveFloat = Field(30 * 86400.0, description=(
         "How long a stored response stays readable (OpenAI keeps them 30 days)."))
     max_stored_bytes: PositiveInt = Field(1 << 24, description=(

@@ -52,6 +52,42 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
         except SystemExit as exit_:  # argparse: --help (0) and usage errors (2)
             code = exit_.code if isinstance(exit_.code, int) else 1
     return subprocess.CompletedProcess(["moonserve", *args], code, out.getvalue(), err.getvalue())
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """A real Redis server (Debian's `redis-server`, README setup) on a free port, for the
+    stored Responses of `router.responses.database: redis://...`; skipped without the package."""
+    import shutil
+    import socket
+    import time
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("needs Debian's redis-server package (README setup)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = tmp_path_factory.mktemp("redis")
+    server = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                               "--appendonly", "no", "--dir", str(root)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    url = f"redis://127.0.0.1:{port}/0"
+    import redis
+
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            redis.Redis.from_url(url).ping()
+            break
+        except redis.ConnectionError:
+            assert server.poll() is None and time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.1)
+    try:
+        yield url
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
 LOCAL_CONFIG = DEFAULT_CONFIG
 MODEL = "moonserve-embedded"  # the served model name in LOCAL_CONFIG
 OWN_APP_TESTS = (REPO / "tests" / "cluster", REPO / "tests" / "engines")

@@ -678,10 +678,12 @@ class Usage:
     cache_write_tokens: int = 0  # prompt tokens it wrote there
 
     def as_dict(self) -> dict:
+        """OpenAI's usage, with the prompt tokens the engine's prefix cache held."""
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
 

@@ -10,6 +10,7 @@
     moonserve bench tools [--out FILE]     # BFCL tool calling: AST accuracy, schema validity, vs vLLM
     moonserve bench admission [--out FILE]  # latency of application-wide lanes vs a replica's own
     moonserve bench routing [--out FILE]   # two LM replicas: prefix-affinity vs Serve's router
+    moonserve bench replay --trace FILE    # a Mooncake trace: goodput vs vLLM, 1 and 2 replicas
     moonserve bench structured --suite DIR  # json_schema answers: valid/refused/cut/unenforced
     moonserve plan [--json]                # capacity of Kimi K3.1 Pro + DSpark on 8x MI355X
     moonserve plan --checkpoint PATH       # ... with the weights measured in a checkpoint
@@ -76,7 +77,7 @@ BENCHMARKS = {"overhead": bench_module("overhead"), "lanes": bench_module("lanes
               "speculative": bench_module("speculative"), "tools": bench_module("tools"),
               "admission": bench_module("admission_latency"), "routing": bench_module("routing"),
               "structured": bench_module("structured"), "soak": bench_module("soak"),
-              "sampling": bench_module("sampling")}
+              "sampling": bench_module("sampling"), "replay": bench_module("replay")}
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -1,7 +1,8 @@
 """Two LanguageModel replicas: a second app in the session's cluster (text only, speculation off).
 
 - Prefix-affinity routing keeps each conversation on one replica: its first turn goes where
-  Serve's power of two choices sends it, every later turn to the replica holding its prefix.
+  Serve's power of two choices sends it, every later turn to the replica holding its prefix; the
+  same for a Responses session continued by `previous_response_id`.
 - Scaling the LanguageModel from two replicas to one under load, with Ray's own scale call (the
   dashboard's REST API; the app runs with `external_scaler_enabled`), cuts no stream: the
   replica that goes drains, the other keeps serving, nothing is restarted.
@@ -79,6 +80,29 @@ async def test_each_conversation_stays_on_the_replica_holding_its_prefix(replica
                                  "content": r.json()["choices"][0]["message"]["content"]})
             after = await asyncio.to_thread(requests_by_replica, handle)
             # Power of two choices alone keeps all three together one time in four.
+            assert sorted(after[name] - before.get(name, 0) for name in after) == [0, 3], k
+
+
+async def test_each_responses_session_stays_on_one_replica(replicas):
+    """Turns that continue by `previous_response_id` send only their new input: the Router
+    rebuilds the conversation from the store and routes it by its prefix (and by the session's
+    key), so every turn of a session lands on one replica."""
+    url, handle = replicas
+    rng = random.Random(5)
+    async with httpx.AsyncClient(timeout=300) as http:
+        for k in range(3):
+            before = await asyncio.to_thread(requests_by_replica, handle)
+            previous = None
+            for turn in range(3):
+                body = {"model": MODEL, "max_output_tokens": 8, "temperature": 0,
+                        "input": f"Session {k}. {filler_text(rng, 150)}" if turn == 0
+                        else f"Question {turn}: why?"}
+                if previous is not None:
+                    body["previous_response_id"] = previous
+                r = await http.post(f"{url}/v1/responses", json=body)
+                assert r.status_code == 200, r.text
+                previous = r.json()["id"]
+            after = await asyncio.to_thread(requests_by_replica, handle)
             assert sorted(after[name] - before.get(name, 0) for name in after) == [0, 3], k
 
 

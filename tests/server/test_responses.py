@@ -140,9 +140,12 @@ def test_openai_agents_sdk_runs_its_tool_loop_on_responses(server):
     assert isinstance(result.final_output, str) and result.final_output
 
 
-def test_a_stored_response_is_its_keys_alone_and_outlives_the_router_replica(server):
+def test_stored_turns_in_redis_are_their_keys_alone_and_outlive_the_router_replica(
+        server, client, redis_url):
+    """A Router app whose turns live in Redis (as on a cluster, `router.responses.database`)."""
     keys = ["sk-resp-a", "sk-resp-b"]
-    with server.router_app("keyed", auth={"enabled": True, "api_keys": keys}) as url:
+    router = {"auth": {"enabled": True, "api_keys": keys}, "responses": {"database": redis_url}}
+    with server.router_app("keyed", **router) as url:
         owner, other = (openai.OpenAI(base_url=f"{url}/v1", api_key=k, max_retries=0,
                                       timeout=120) for k in keys)
         response = owner.responses.create(model=MODEL, input="Hi", **GREEDY)
@@ -153,6 +156,8 @@ def test_a_stored_response_is_its_keys_alone_and_outlives_the_router_replica(ser
                                    **GREEDY)
         with pytest.raises(openai.NotFoundError):
             other.responses.delete(response.id)
+        with pytest.raises(openai.NotFoundError):  # the session app's own SQLite file
+            client.responses.retrieve(response.id)
         # Anthropic clients send the key as `x-api-key`.
         claude = anthropic.Anthropic(base_url=url, api_key=keys[1], max_retries=0)
         ask = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
@@ -165,7 +170,7 @@ def test_a_stored_response_is_its_keys_alone_and_outlives_the_router_replica(ser
         # one stored.
         limits = yaml.safe_load(LOCAL_CONFIG.read_text())["applications"][0]["args"]["router"][
             "limits"]
-        server.deploy_router("keyed", auth={"enabled": True, "api_keys": keys},
+        server.deploy_router("keyed", **router,
                              limits={**limits, "max_messages": limits["max_messages"] - 1})
         assert owner.responses.retrieve(response.id).output_text == response.output_text
         follow = owner.responses.create(model=MODEL, input="Again", **GREEDY,

@@ -112,7 +112,8 @@ def test_stream_encoder_chat_chunks_and_usage():
     assert a["choices"][0]["delta"] == {"content": "Hel"}
     assert b["choices"][0]["finish_reason"] == "stop"
     assert usage["choices"] == []
-    assert usage["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert usage["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+                              "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_stream_encoder_skips_empty_deltas_and_omits_usage_unless_asked():

@@ -15,7 +15,7 @@ from pydantic import TypeAdapter
 from moonserve.pipeline.api.body import parse_body
 from moonserve.pipeline.api.errors import APIError
 from moonserve.pipeline.api.protocol import Completion, GenerationDelta
-from moonserve.pipeline.api.response_store import ResponseStore
+from moonserve.pipeline.api.response_store import open_store
 from moonserve.pipeline.api.responses import ResponsesRequest, ResponsesStream, ResponsesTurn
 from moonserve.pipeline.api.streaming import PlainChoice
 from tests.unit.test_chat_parsing import (  # noqa: F401 - fixtures
@@ -227,9 +227,16 @@ def test_an_error_mid_stream_ends_it_failed():
     assert encoder.response is None  # nothing to store
 
 
-# ---- the store --------------------------------------------------------------------------------
+# ---- the store: SQLite (one node) and Redis (a cluster), the same behaviour -------------------
 
-def stored(store: ResponseStore, owner: str, text: str, previous: str | None = None) -> str:
+@pytest.fixture(params=["sqlite", "redis"])
+def database(request, tmp_path) -> str:
+    if request.param == "sqlite":
+        return str(tmp_path / "r.sqlite3")
+    return request.getfixturevalue("redis_url")
+
+
+def stored(store, owner: str, text: str, previous: str | None = None) -> str:
     t = turn({"input": text, **({"previous_response_id": previous} if previous else {})})
     response = t.response([{"id": "msg_1", "type": "message", "role": "assistant",
                             "status": "completed", "content": [{"type": "output_text",
@@ -239,9 +246,8 @@ def stored(store: ResponseStore, owner: str, text: str, previous: str | None = N
     return response["id"]
 
 
-def test_a_chain_of_turns_is_one_history_for_its_key_only(tmp_path):
-    path = tmp_path / "r.sqlite3"
-    one, other = ResponseStore(path, 3600), ResponseStore(path, 3600)  # two Router replicas
+def test_a_chain_of_turns_is_one_history_for_its_key_only(database):
+    one, other = open_store(database, 3600), open_store(database, 3600)  # two Router replicas
     first = stored(one, "key-a", "a")
     second = stored(other, "key-a", "b", previous=first)
     messages, session = one.history("key-a", second)
@@ -261,11 +267,11 @@ def test_a_chain_of_turns_is_one_history_for_its_key_only(tmp_path):
     assert caught.value.param == "previous_response_id"
 
 
-def test_a_turn_past_its_retention_is_gone(tmp_path):
-    store = ResponseStore(tmp_path / "r.sqlite3", retention_s=0.2)
+def test_a_turn_past_its_retention_is_gone(database):
+    store = open_store(database, retention_s=0.2)
     old = stored(store, "", "a")
     time.sleep(0.3)
-    new = stored(store, "", "b")  # writing deletes what expired
+    new = stored(store, "", "b")
     with pytest.raises(APIError):
         store.get("", old)
     assert store.get("", new)["id"] == new
@@ -286,3 +292,18 @@ def test_input_items_page_as_openai_pages_them():
         with pytest.raises(APIError) as caught:
             page(items, query)
         assert caught.value.param == param
+
+
+def test_a_store_that_cannot_be_reached_is_a_503_to_retry():
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = open_store(f"redis://127.0.0.1:{port}/0", 60)
+    for call in (lambda: stored(store, "", "a"), lambda: store.get("", "resp_x")):
+        with pytest.raises(APIError) as caught:
+            call()
+        error = caught.value
+        assert (error.status, error.code, error.headers) == \
+            (503, "store_unavailable", {"Retry-After": "1"})
