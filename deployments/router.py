@@ -1,4 +1,6 @@
-"""Router deployment: the HTTP ingress with the OpenAI API.
+"""Router deployment: the HTTP ingress with the OpenAI API (chat and text completions, the
+Responses API) and Anthropic's Messages API; the last two run as chat requests
+(`moonserve.pipeline.api.responses`, `moonserve.pipeline.api.messages`).
 
 It validates and tokenizes each request, checks it against the model's context, starts its images
 (`moonserve.pipeline.router.fan_in`), admits it through its lane (`moonserve.pipeline.api.lanes`),
@@ -32,21 +34,19 @@ from moonserve.pipeline.api.background import in_background
 from moonserve.pipeline.api.body import parse_body, read_body
 from moonserve.pipeline.api.errors import APIError, InternalErrors, bad_request
 from moonserve.pipeline.api.lanes import Lanes
-from moonserve.pipeline.api.messages import (
-    CountTokensRequest,
-    MessagesRequest,
-    MessagesTurn,
-    anthropic_error,
-)
 from moonserve.pipeline.api.limits import (
     check_chat_limits,
     check_completion_limits,
     check_message_limits,
     check_prompt_chars,
 )
+from moonserve.pipeline.api.messages import (
+    CountTokensRequest,
+    MessagesRequest,
+    MessagesTurn,
+    anthropic_error,
+)
 from moonserve.pipeline.api.prompt import PromptBuilder, check_token_ids, resolve_max_tokens
-from moonserve.pipeline.api.response_store import open_store
-from moonserve.pipeline.api.responses import ResponsesRequest, ResponsesTurn, renamed
 from moonserve.pipeline.api.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -58,6 +58,8 @@ from moonserve.pipeline.api.protocol import (
     TokenizeRequest,
     sampling_spec,
 )
+from moonserve.pipeline.api.response_store import open_store
+from moonserve.pipeline.api.responses import ResponsesRequest, ResponsesTurn, renamed
 from moonserve.pipeline.api.streaming import ResponseFormat, StreamEncoder
 from moonserve.pipeline.api.token_buckets import rate_limited
 from moonserve.pipeline.config import ChatConfig, RouterConfig, VisionConfig
@@ -111,7 +113,7 @@ class Router:
         self.hint_header = config.lanes.hint_header
         self.template_tokens = template_tokens(self.prompts)
         self.output_host = config.outputs.host
-        self.stored = config.responses
+        self.responses = config.responses
         self.store = open_store(config.responses.database, config.responses.retention_s)
         self.receiver: OutputReceiver | None = None  # made with the engine's tokenizer, once
         self.making_receiver: asyncio.Future | None = None
@@ -267,10 +269,11 @@ class Router:
         """OpenAI's `POST /v1/responses`, run as a chat request (`ResponsesTurn`)."""
         arrival = time.monotonic()
         body = await self.parse(request, ResponsesRequest)
-        if body.store and request.state.body_bytes > self.stored.max_stored_bytes:
+        if body.store and request.state.body_bytes > self.responses.max_stored_bytes:
+            limit = self.responses.max_stored_bytes
             raise bad_request(f"store: a request of {request.state.body_bytes} bytes exceeds the "
-                              f"{self.stored.max_stored_bytes} bytes a stored response may hold; "
-                              "send store: false", "store", "response_too_large_to_store")
+                              f"{limit} bytes a stored response may hold; send store: false",
+                              "store", "response_too_large_to_store")
         owner = self.owner(request)
         history, session = ([], None) if body.previous_response_id is None else \
             await asyncio.to_thread(self.store.history, owner, body.previous_response_id)

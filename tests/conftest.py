@@ -79,7 +79,8 @@ def redis_url(tmp_path_factory):
             redis.Redis.from_url(url).ping()
             break
         except redis.ConnectionError:
-            assert server.poll() is None and time.monotonic() < deadline, "redis-server did not start"
+            assert server.poll() is None and time.monotonic() < deadline, \
+                "redis-server did not start"
             time.sleep(0.1)
     try:
         yield url

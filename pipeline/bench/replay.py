@@ -1,4 +1,4 @@
-"""Replay of a Mooncake trace: vLLM's server against moonserve with one and two LanguageModel replicas.
+"""Replay of a Mooncake trace: vLLM's server against moonserve with one and two LM replicas.
 
 The trace is one of Mooncake's FAST'25 traces (kvcache-ai/Mooncake, `FAST25-release/traces/`):
 one JSON line per request with its arrival `timestamp` (ms), `input_length`, `output_length` and

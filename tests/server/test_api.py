@@ -83,6 +83,17 @@ def test_stream_equals_non_stream_and_reports_usage(client):
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
 
 
+def test_a_repeated_prompt_reports_the_tokens_the_prefix_cache_held(client):
+    """`usage.prompt_tokens_details.cached_tokens`, OpenAI's field, from vLLM's count."""
+    messages = [{"role": "user", "content": "Read this twice: " + "harbor lantern orbit " * 60}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                           temperature=0, user="cache-probe")
+    again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                           temperature=0, user="cache-probe")
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens < cached < again.usage.prompt_tokens
+
+
 def test_raw_sse_framing_ends_with_done(server):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
             "stream": True}

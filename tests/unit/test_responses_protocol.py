@@ -137,7 +137,8 @@ def test_a_whole_answer_with_calls_is_a_response_openai_reads(parsing, tokenizer
         ("function_call", "get_weather", {"city": "Zürich", "unit": "C"}),
         ("function_call", "get_time", {"tz": "CET"})]
     assert all(o.call_id for o in response.output)
-    assert response.usage.input_tokens == 9 and response.usage.input_tokens_details.cached_tokens == 4
+    assert response.usage.input_tokens == 9
+    assert response.usage.input_tokens_details.cached_tokens == 4
     assert response.tools[0].name == "get_weather"
 
 
