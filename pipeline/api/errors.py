@@ -7,6 +7,7 @@ matching exception class (`BadRequestError` for 400, `NotFoundError` for 404, ..
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 from dataclasses import dataclass, field
 
@@ -35,6 +36,28 @@ class APIError(Exception):
         return {
             "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
         }
+
+
+# A chat message's index in an error's message and param.
+MESSAGE_INDEX = re.compile(r"messages\[(\d+)\]")
+
+
+def in_fields(exc: APIError, origins: list[str], fields: list[tuple[re.Pattern, str]],
+              index: re.Pattern = MESSAGE_INDEX) -> APIError:
+    """An error of a chat request's validation in the field names of the API it was translated
+    from: `messages[i]` (matched by `index`) becomes `origins[i]`, where chat message i came
+    from, then each `(pattern, replacement)` of `fields` renames the rest."""
+    def rename(text: str | None) -> str | None:
+        if text is None:
+            return None
+        text = index.sub(lambda m: origins[int(m.group(1))]
+                         if int(m.group(1)) < len(origins) else m.group(0), text)
+        for pattern, replacement in fields:
+            text = pattern.sub(replacement, text)
+        return text
+
+    exc.param, exc.message = rename(exc.param), rename(exc.message)
+    return exc
 
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:

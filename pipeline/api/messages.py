@@ -21,10 +21,14 @@ import re
 import uuid
 from typing import Annotated, Any, Literal
 
-import msgspec
 from pydantic import Field, StrictBool, StrictStr, ValidationError, model_validator
 
-from moonserve.pipeline.api.errors import APIError, bad_request, from_validation_error
+from moonserve.pipeline.api.errors import (
+    APIError,
+    bad_request,
+    from_validation_error,
+    in_fields,
+)
 from moonserve.pipeline.api.protocol import (
     ChatCompletionRequest,
     ChoiceOutput,
@@ -33,6 +37,7 @@ from moonserve.pipeline.api.protocol import (
     RequestModel,
     reject_unsupported,
 )
+from moonserve.pipeline.api.streaming import typed_event
 
 UNSUPPORTED_FIELDS = ("service_tier", "container", "mcp_servers", "context_management",
                       "diagnostics", "inference_geo", "speed", "user_profile_id", "workspace_id")
@@ -261,18 +266,10 @@ class MessagesTurn:
             raise self.renamed(exc) from None
 
     def renamed(self, exc: APIError) -> APIError:
-        """A chat validation error with the Messages API's field names."""
-        def rename(text: str | None) -> str | None:
-            if text is None:
-                return None
-            text = MESSAGE_INDEX.sub(lambda m: self.origins[int(m.group(1))]
-                                     if int(m.group(1)) < len(self.origins) else m.group(0), text)
-            for pattern, replacement in CHAT_PARAMS:
-                text = pattern.sub(replacement, text)
-            return text
-
-        exc.param, exc.message = rename(exc.param), rename(exc.message)
-        return exc
+        """A chat validation error with the Messages API's field names (a chat message's
+        content index is dropped: tool results leave a user turn's blocks as messages of their
+        own)."""
+        return in_fields(exc, self.origins, CHAT_PARAMS, MESSAGE_INDEX)
 
     def message(self, content: list[dict], stop_reason: str | None, stop_sequence: str | None,
                 completion: Completion) -> dict:
@@ -374,11 +371,6 @@ def check_blocks(blocks: list[tuple[int, Any]], where: str, allowed: tuple[type,
 
 # -- streaming ------------------------------------------------------------------------------------
 
-def event(kind: str, payload: dict) -> bytes:
-    return b"event: " + kind.encode() + b"\ndata: " + msgspec.json.encode(
-        {"type": kind, **payload}) + b"\n\n"
-
-
 class MessagesStream:
     """Chat deltas of one answer as Anthropic's events: `message_start`, per content block
     `content_block_start`, its deltas and `content_block_stop`, then `message_delta` (stop reason,
@@ -407,7 +399,7 @@ class MessagesStream:
             self.completion.add(delta)
             start = self.turn.message([], None, None, self.completion)
             start["usage"]["output_tokens"] = 0
-            out += event("message_start", {"message": start})
+            out += typed_event("message_start", {"message": start})
         else:
             self.completion.add(delta)
         body = self.parser.delta(delta.text, delta.token_ids, delta.finish_reason) or {}
@@ -427,8 +419,10 @@ class MessagesStream:
             out += self.close()
             self.index += 1
             self.open = kind
-            out += event("content_block_start", {"index": self.index, "content_block": start})
-        return out + event("content_block_delta", {"index": self.index, "delta": delta})
+            out += typed_event("content_block_start",
+                               {"index": self.index, "content_block": start})
+        return out + typed_event("content_block_delta",
+                                 {"index": self.index, "delta": delta})
 
     def call(self, call: dict) -> bytes:
         out = b""
@@ -440,11 +434,11 @@ class MessagesStream:
             out += self.close()
             self.index += 1
             self.open = f"tool_use {index}"
-            out += event("content_block_start", {"index": self.index, "content_block": {
+            out += typed_event("content_block_start", {"index": self.index, "content_block": {
                 "type": "tool_use", "id": call.get("id") or f"toolu_{uuid.uuid4().hex}",
                 "name": function.get("name", ""), "input": {}}})
         if function.get("arguments") and self.open == f"tool_use {index}":
-            out += event("content_block_delta", {"index": self.index, "delta": {
+            out += typed_event("content_block_delta", {"index": self.index, "delta": {
                 "type": "input_json_delta", "partial_json": function["arguments"]}})
         return out
 
@@ -452,10 +446,10 @@ class MessagesStream:
         if self.open is None:
             return b""
         self.open = None
-        return event("content_block_stop", {"index": self.index})
+        return typed_event("content_block_stop", {"index": self.index})
 
     def error(self, exc: APIError) -> bytes:
-        return event("error", {"error": anthropic_error(exc)["error"]})
+        return typed_event("error", {"error": anthropic_error(exc)["error"]})
 
     def closing(self, with_usage: bool = True) -> bytes:
         if not with_usage or not self.completion.choices:
@@ -463,6 +457,6 @@ class MessagesStream:
         choice = self.completion.in_order()[0]
         stop_reason, stop_sequence = stop(choice, self.called)
         u = self.completion.usage
-        return self.close() + event("message_delta", {
+        return self.close() + typed_event("message_delta", {
             "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-            "usage": {"output_tokens": u.completion_tokens}}) + event("message_stop", {})
+            "usage": {"output_tokens": u.completion_tokens}}) + typed_event("message_stop", {})

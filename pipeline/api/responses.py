@@ -21,7 +21,6 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-import msgspec
 from pydantic import (
     Discriminator,
     Field,
@@ -32,7 +31,12 @@ from pydantic import (
     model_validator,
 )
 
-from moonserve.pipeline.api.errors import APIError, bad_request, from_validation_error
+from moonserve.pipeline.api.errors import (
+    APIError,
+    bad_request,
+    from_validation_error,
+    in_fields,
+)
 from moonserve.pipeline.api.protocol import (
     ChatCompletionRequest,
     Completion,
@@ -40,6 +44,7 @@ from moonserve.pipeline.api.protocol import (
     RequestModel,
     reject_unsupported,
 )
+from moonserve.pipeline.api.streaming import typed_event
 
 # Fields of OpenAI's Responses API this server does not implement: a 400 naming each.
 UNSUPPORTED_FIELDS = ("background", "conversation", "prompt", "max_tool_calls", "service_tier",
@@ -250,8 +255,8 @@ CHAT_PARAMS = [
     (re.compile(r"^response_format\.json_schema\."), "text.format."),
     (re.compile(r"^response_format"), "text.format"),
     (re.compile(r"^reasoning_effort"), "reasoning.effort"),
+    (re.compile(r"^messages\b"), "input"),
 ]
-MESSAGE_INDEX = re.compile(r"messages\[(\d+)\]")
 
 
 class ResponsesTurn:
@@ -352,18 +357,7 @@ class ResponsesTurn:
 
 def renamed(exc: APIError, origins: list[str]) -> APIError:
     """A chat validation error with the Responses field names."""
-    def rename(text: str | None) -> str | None:
-        if text is None:
-            return None
-        text = MESSAGE_INDEX.sub(lambda m: origins[int(m.group(1))]
-                                 if int(m.group(1)) < len(origins) else m.group(0), text)
-        for pattern, replacement in CHAT_PARAMS:
-            text = pattern.sub(replacement, text)
-        return text.replace("messages:", "input:") if text.startswith("messages") else text
-
-    exc.param = rename(exc.param)
-    exc.message = rename(exc.message)
-    return exc
+    return in_fields(exc, origins, CHAT_PARAMS)
 
 
 def response_format(fmt) -> dict:
@@ -525,11 +519,6 @@ def usage_dict(completion: Completion, num_reasoning: int) -> dict:
 
 # -- streaming ------------------------------------------------------------------------------------
 
-def event(kind: str, payload: dict) -> bytes:
-    return b"event: " + kind.encode() + b"\ndata: " + msgspec.json.encode(
-        {"type": kind, **payload}) + b"\n\n"
-
-
 class ResponsesStream:
     """Chat deltas of one answer as Responses events: `response.created`, `.in_progress`, then
     per output item `output_item.added`, its parts and deltas, `.done` events, and last
@@ -551,7 +540,7 @@ class ResponsesStream:
         return self.turn.response_id
 
     def emit(self, kind: str, **payload) -> bytes:
-        out = event(kind, {**payload, "sequence_number": self.sequence})
+        out = typed_event(kind, {**payload, "sequence_number": self.sequence})
         self.sequence += 1
         return out
 

@@ -25,6 +25,13 @@ def sse(payload: dict) -> bytes:
     return b"data: " + msgspec.json.encode(payload) + b"\n\n"
 
 
+def typed_event(kind: str, payload: dict) -> bytes:
+    """An SSE event as the Responses and Messages APIs frame them: an `event:` line, and the
+    same name as the data's `type`."""
+    return b"event: " + kind.encode() + b"\ndata: " + msgspec.json.encode(
+        {"type": kind, **payload}) + b"\n\n"
+
+
 def chat_logprobs(entries: list[TokenLogprob] | None) -> dict | None:
     """OpenAI's chat `logprobs`: one entry per token with its `top_logprobs`."""
     if entries is None:
