@@ -833,6 +833,15 @@ class ResponsesConfig(StrictModel):
         "Largest request body a stored turn may come from (images included); a larger one must "
         "send `store: false` (400)."))
 
+    @field_validator("database")
+    @classmethod
+    def _path_or_redis(cls, value: str) -> str:
+        scheme, found, _ = value.partition("://")
+        if found and scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(f"{value!r}: a SQLite file path or a redis://, rediss:// or "
+                             "unix:// URL")
+        return value
+
 
 class RouterConfig(StrictModel):
     deployment: DeploymentOptions = Field(DeploymentOptions(max_ongoing_requests=256), description=(

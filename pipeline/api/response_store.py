@@ -150,15 +150,20 @@ class SqliteStore(ResponseStore):
     def __init__(self, path: Path, retention_s: float):
         super().__init__(retention_s)
         self.path = Path(path).expanduser()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with closing(self.connect()) as db:
-            db.execute("PRAGMA journal_mode=WAL")  # readers never wait for a writer
-            db.executescript(SCHEMA)
+        self.made = False
 
     def connect(self) -> sqlite3.Connection:
-        # One connection per call: calls run in worker threads, and replicas share the file.
+        """One connection per call: calls run in worker threads, and replicas share the file.
+        The file is made by the first call, so a Router whose path cannot be written still
+        serves everything but stored Responses (which get a 503 naming the error)."""
+        if not self.made:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
         db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
         db.execute("PRAGMA busy_timeout = 30000")
+        if not self.made:
+            db.execute("PRAGMA journal_mode=WAL")  # readers never wait for a writer
+            db.executescript(SCHEMA)
+            self.made = True
         return db
 
     @unavailable(sqlite_errors)

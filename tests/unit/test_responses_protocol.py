@@ -295,16 +295,31 @@ def test_input_items_page_as_openai_pages_them():
         assert caught.value.param == param
 
 
-def test_a_store_that_cannot_be_reached_is_a_503_to_retry():
+@pytest.mark.parametrize("database", ["redis", "sqlite"])
+def test_a_store_that_cannot_be_reached_is_a_503_to_retry(database, tmp_path):
     import socket
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    store = open_store(f"redis://127.0.0.1:{port}/0", 60)
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a file where the database's folder would be
+    store = open_store(f"redis://127.0.0.1:{port}/0" if database == "redis" else
+                       str(blocked / "r.sqlite3"), 60)
     for call in (lambda: stored(store, "", "a"), lambda: store.get("", "resp_x")):
         with pytest.raises(APIError) as caught:
             call()
         error = caught.value
         assert (error.status, error.code, error.headers) == \
             (503, "store_unavailable", {"Retry-After": "1"})
+
+
+def test_the_database_is_a_path_or_a_redis_url():
+    from pydantic import ValidationError
+
+    from moonserve.pipeline.config import ResponsesConfig
+
+    for ok in ("~/r.sqlite3", "/var/lib/r.db", "redis://h:6379/0", "rediss://h:6380/1"):
+        assert ResponsesConfig(database=ok).database == ok
+    with pytest.raises(ValidationError, match="a SQLite file path or a redis://"):
+        ResponsesConfig(database="postgres://h/db")
