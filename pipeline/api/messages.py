@@ -225,6 +225,9 @@ MESSAGE_INDEX = re.compile(r"messages\[(\d+)\](\.content(\[\d+\])?)?")
 
 
 class MessagesTurn:
+    """One `POST /v1/messages` (or its `count_tokens`): `messages` are its chat messages, and
+    `origins` name the field each came from (for the 400s)."""
+
     def __init__(self, body: MessagesRequest, model: str):
         self.body = body
         self.model = model
@@ -274,10 +277,12 @@ class MessagesTurn:
     def message(self, content: list[dict], stop_reason: str | None, stop_sequence: str | None,
                 completion: Completion) -> dict:
         u = completion.usage
+        # Anthropic's three parts add up to the prompt: read from the prefix cache, written to
+        # it, and the rest.
         return {"id": self.message_id, "type": "message", "role": "assistant",
                 "model": self.model, "content": content, "stop_reason": stop_reason,
                 "stop_sequence": stop_sequence,
-                "usage": {"input_tokens": u.prompt_tokens - u.cached_tokens,
+                "usage": {"input_tokens": u.prompt_tokens - u.cached_tokens - u.cache_write_tokens,
                           "cache_read_input_tokens": u.cached_tokens,
                           "cache_creation_input_tokens": u.cache_write_tokens,
                           "output_tokens": u.completion_tokens}}

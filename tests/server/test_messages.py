@@ -22,6 +22,11 @@ ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"][
 GREEDY = {"extra_body": {"temperature": 0}}
 
 
+def prompt_tokens(usage) -> int:
+    """Anthropic's three parts of the prompt: the rest, read from the cache, written to it."""
+    return usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
+
+
 @pytest.fixture(scope="module")
 def claude(server) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0,
@@ -38,7 +43,7 @@ def test_a_message_equals_the_chat_answer_to_the_same_conversation(claude, clien
         temperature=0, max_tokens=24)
     assert message.content[0].text == chat.choices[0].message.content
     usage = message.usage
-    assert usage.input_tokens + usage.cache_read_input_tokens == chat.usage.prompt_tokens
+    assert prompt_tokens(usage) == chat.usage.prompt_tokens
     assert usage.output_tokens == chat.usage.completion_tokens
     assert message.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[
         chat.choices[0].finish_reason]
@@ -61,8 +66,7 @@ def test_a_streamed_tool_use_about_an_image_and_its_result(claude):
         jsonschema.validate(use.input, SCHEMAS[use.name])
     counted = claude.messages.count_tokens(model=MODEL, messages=ask, tools=ANTHROPIC_TOOLS,
                                            tool_choice={"type": "any"})
-    usage = first.usage
-    assert counted.input_tokens == usage.input_tokens + usage.cache_read_input_tokens
+    assert counted.input_tokens == prompt_tokens(first.usage)
     answer = claude.messages.create(
         model=MODEL, max_tokens=24, tools=ANTHROPIC_TOOLS, **GREEDY,
         messages=[*ask, {"role": "assistant", "content": first.content},

@@ -120,7 +120,8 @@ def whole(parsing, tokenizer, prompt_ids, body: dict, text: str, finish="stop",
     ids = tokenizer.encode(text, add_special_tokens=False)
     completion = Completion()
     completion.add(GenerationDelta(text, len(ids), 9, finish, token_ids=ids,
-                                   num_cached_tokens=4, stop_string=stop_string))
+                                   num_cached_tokens=4, num_cache_write_tokens=3,
+                                   stop_string=stop_string))
     return t.full(plan.choice_parser(prompt_ids), completion)
 
 
@@ -132,7 +133,9 @@ def test_a_whole_answer_with_calls_is_a_message_anthropic_reads(parsing, tokeniz
     assert [(b.type, b.name, b.input) for b in message.content] == [
         ("tool_use", "get_weather", {"city": "Zürich", "unit": "C"}),
         ("tool_use", "get_time", {"tz": "CET"})]
-    assert message.usage.input_tokens == 5 and message.usage.cache_read_input_tokens == 4
+    # The prompt's 9 tokens: 4 read from the prefix cache, 3 written to it, 2 neither.
+    assert message.usage.input_tokens == 2 and message.usage.cache_read_input_tokens == 4
+    assert message.usage.cache_creation_input_tokens == 3
 
 
 @pytest.mark.parametrize("finish, stop_string, reason", [
