@@ -321,9 +321,10 @@ class Router:
         except APIError as exc:
             return JSONResponse(anthropic_error(exc), exc.status, headers=exc.headers)
 
-    async def chat_prompt_ids(self, body: ChatCompletionRequest) -> list[int]:
-        """The prompt a chat request would get, its images preprocessed to count their tokens
-        (not encoded)."""
+    async def chat_prompt_ids(self, body: ChatCompletionRequest | TokenizeRequest,
+                              add_generation_prompt: bool = True) -> list[int]:
+        """The prompt a chat request (or `/tokenize`'s messages) would get, its images
+        preprocessed to count their tokens (not encoded)."""
         parts = body.image_parts()
         image_tokens = []
         if parts:
@@ -331,7 +332,7 @@ class Router:
             image_tokens = self.images.counts(await self.images.layout(parts))
         return await self.tokenize(lambda b: self.prompts.chat_prompt_ids(
             b.messages, self.images.placeholder if parts else "", image_tokens,
-            template_kwargs=b.template_kwargs(),
+            add_generation_prompt=add_generation_prompt, template_kwargs=b.template_kwargs(),
             image_text=self.images.text if parts else None), body,
             sum(len(m.text()) for m in body.messages))
 
@@ -369,18 +370,8 @@ class Router:
                 lambda b: self.prompts.tokenizer.encode(b.prompt, add_special_tokens=add_special),
                 body, len(body.prompt))
         else:
-            parts = body.image_parts()
-            check_message_limits(body.messages, len(parts), self.limits)
-            image_tokens = []
-            if parts:
-                self.check_vision(parts)
-                image_tokens = self.images.counts(await self.images.layout(parts))
-            ids = await self.tokenize(lambda b: self.prompts.chat_prompt_ids(
-                b.messages, self.images.placeholder if parts else "", image_tokens,
-                add_generation_prompt=b.add_generation_prompt,
-                template_kwargs=b.template_kwargs(),
-                image_text=self.images.text if parts else None), body,
-                sum(len(m.text()) for m in body.messages))
+            check_message_limits(body.messages, len(body.image_parts()), self.limits)
+            ids = await self.chat_prompt_ids(body, body.add_generation_prompt)
             if body.add_special_tokens:
                 ids = self.prompts.tokenizer.build_inputs_with_special_tokens(ids)
         strs = self.prompts.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None

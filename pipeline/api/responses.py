@@ -274,9 +274,10 @@ class ResponsesTurn:
         # replica sends them to the LanguageModel replica that holds their prefix.
         self.session = session or self.response_id
         self.created_at = int(time.time())
+        items = body.items()
         self.items = [with_id(item.model_dump(exclude_none=True, by_alias=True))
-                      for item in body.items()]
-        self.messages, origins = input_messages(body.items(), known_calls(history))
+                      for item in items]
+        self.messages, origins = input_messages(items, known_calls(history))
         system = ["instructions"] if body.instructions else []
         # For each chat message, the Responses field it came from (for the 400s).
         self.origins_of_chat = system + ["previous_response_id"] * len(history) + origins
@@ -343,7 +344,7 @@ class ResponsesTurn:
         incomplete = "max_output_tokens" if choice.finish_reason == "length" else None
         status = "incomplete" if incomplete else "completed"
         output = output_items(message, status)
-        usage = usage_dict(completion, reasoning_tokens(parser, choice.token_ids))
+        usage = usage_dict(completion, parser.reasoning_tokens(choice.token_ids))
         return self.response(output, status, usage, incomplete)
 
     def stream_encoder(self, parser) -> ResponsesStream:
@@ -501,12 +502,6 @@ def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str
             "arguments": arguments, "status": status}
 
 
-def reasoning_tokens(parser, token_ids: list[int]) -> int:
-    """vLLM's count of the answer's thinking tokens (0 without a reasoning parser)."""
-    count = getattr(parser, "reasoning_tokens", None)
-    return count(token_ids) if count is not None else 0
-
-
 def usage_dict(completion: Completion, num_reasoning: int) -> dict:
     u = completion.usage
     return {"input_tokens": u.prompt_tokens,
@@ -600,8 +595,7 @@ class ResponsesStream:
 
     def open_item(self, item: dict) -> bytes:
         self.open = item
-        added = {**item, "content": []} if item["type"] == "message" else \
-            {**item, "content": []} if item["type"] == "reasoning" else item
+        added = {**item, "content": []} if "content" in item else item  # parts come after
         return self.emit("response.output_item.added", output_index=len(self.output),
                          item=added)
 
@@ -644,6 +638,6 @@ class ResponsesStream:
         incomplete = "max_output_tokens" if choice.finish_reason == "length" else None
         status = "incomplete" if incomplete else "completed"
         out = self.close_item(status)
-        usage = usage_dict(self.completion, reasoning_tokens(self.parser, choice.token_ids))
+        usage = usage_dict(self.completion, self.parser.reasoning_tokens(choice.token_ids))
         self.response = self.turn.response(self.output, status, usage, incomplete)
         return out + self.emit(f"response.{status}", response=self.response)

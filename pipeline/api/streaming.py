@@ -62,7 +62,7 @@ def completion_logprobs(entries: list[TokenLogprob] | None, text_offset: int) ->
 class PlainChoice:
     """A choice's text as it is: the output parser of a model without tool or reasoning parsers
     (and of text completions). `moonserve.pipeline.router.chat_parsing.ChoiceParser` has the
-    same two methods, backed by vLLM's parsers."""
+    same methods, backed by vLLM's parsers."""
 
     calls_streamed = False
     named_call = False
@@ -72,6 +72,9 @@ class PlainChoice:
 
     def delta(self, text: str, token_ids: list[int], finish_reason: str | None) -> dict | None:
         return {"content": text} if text else None
+
+    def reasoning_tokens(self, token_ids: list[int]) -> int:
+        return 0  # no reasoning parser: no thinking tokens
 
 
 def finish_reason(choice: ChoiceOutput, message: dict, parser) -> str | None:

@@ -99,7 +99,7 @@ def deltas_of(output, num_logprobs: int | None) -> list[GenerationDelta]:
     the last one marks the request finished."""
     num_prompt_tokens = len(output.prompt_token_ids or ())
     num_cached = output.num_cached_tokens or 0
-    num_written = getattr(output, "num_cache_creation_tokens", None) or 0
+    num_written = output.num_cache_creation_tokens or 0
     deltas = [GenerationDelta(
         text=completion.text,
         num_tokens=len(completion.token_ids),

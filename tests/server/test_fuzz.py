@@ -235,6 +235,12 @@ def check_response(r: httpx.Response, stream: bool) -> None:
     assert body["usage"]["completion_tokens"] <= len(body["choices"])
 
 
+def typed_events(text: str) -> list[dict]:
+    """The data of each `event:`/`data:` pair of a Responses or Messages stream."""
+    return [json.loads(chunk.split("\n")[1].removeprefix("data: "))
+            for chunk in text.split("\n\n") if chunk]
+
+
 FUZZ_SETTINGS = dict(deadline=None, database=None, derandomize=True,
                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                             HealthCheck.data_too_large])
@@ -277,8 +283,7 @@ def test_fuzz_responses(fuzz_url, body):
     if body.get("stream") is not True:
         assert r.json()["status"] in ("completed", "incomplete")
         return
-    events = [json.loads(chunk.split("\n")[1].removeprefix("data: "))
-              for chunk in r.text.split("\n\n") if chunk]
+    events = typed_events(r.text)
     assert events[-1]["type"] in ("response.completed", "response.incomplete",
                                   "response.failed"), events[-1]
     for event in events:
@@ -300,8 +305,7 @@ def test_fuzz_messages(fuzz_url, body):
     if body.get("stream") is not True:
         assert r.json()["stop_reason"] in ("end_turn", "max_tokens", "stop_sequence", "tool_use")
         return
-    events = [json.loads(chunk.split("\n")[1].removeprefix("data: "))
-              for chunk in r.text.split("\n\n") if chunk]
+    events = typed_events(r.text)
     assert events[-1]["type"] in ("message_stop", "error"), events[-1]
     for event in events:
         assert event["type"] != "error" or "max_tokens" in event["error"]["message"], event

@@ -1,5 +1,5 @@
-"""OpenAI's Responses API in the running app, through the `openai` client and the Agents SDK:
-whole and streamed answers equal the chat answer to the same conversation, a tool loop continued
+"""OpenAI's Responses API in the running app, through the `openai` client (the Agents SDK's
+Responses model runs its tool loop in tests/server/test_tools.py): whole and streamed answers equal the chat answer to the same conversation, a tool loop continued
 by `previous_response_id` (with an image that is never sent again), stored turns read back,
 listed and deleted, visible to their API key alone and kept across a Router replica's
 replacement, and 400s in OpenAI's shape naming the Responses field."""
@@ -113,31 +113,6 @@ def test_bad_requests_are_400s_naming_the_field(client, body, param):
     with pytest.raises(openai.BadRequestError) as caught:
         client.responses.create(model=MODEL, **body)
     assert caught.value.body["param"] == param
-
-
-def test_openai_agents_sdk_runs_its_tool_loop_on_responses(server):
-    from agents import (Agent, ModelSettings, OpenAIResponsesModel, RunConfig, Runner,
-                        function_tool)
-
-    calls = []
-
-    @function_tool
-    def get_weather(city: str) -> str:
-        """Current weather in a city."""
-        calls.append(city)
-        return f"It is 18 C and raining in {city}."
-
-    model = OpenAIResponsesModel(
-        model=MODEL, openai_client=openai.AsyncOpenAI(base_url=f"{server.base_url}/v1",
-                                                      api_key="unused"))
-    agent = Agent(name="weather", instructions="Answer with the weather tool.", model=model,
-                  tools=[get_weather],
-                  model_settings=ModelSettings(tool_choice="required", temperature=0,
-                                               max_tokens=64))
-    result = Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4,
-                             run_config=RunConfig(tracing_disabled=True))
-    assert calls, "the agent called its tool"
-    assert isinstance(result.final_output, str) and result.final_output
 
 
 def test_stored_turns_in_redis_are_their_keys_alone_and_outlive_the_router_replica(

@@ -1,6 +1,6 @@
 """Tool calling, structured outputs and n > 1 in the running app, through real clients: the
 `openai` client (tools, streaming reassembled, `chat.completions.parse`), the OpenAI Agents SDK
-(an agent's whole tool loop) and pydantic-ai (a validated object back).
+(an agent's whole tool loop, on Chat Completions and on the Responses API) and pydantic-ai (a validated object back).
 
 Arguments are checked against each tool's JSON Schema with `jsonschema`; the conversation history
 with tool calls is checked by its prompt token count against transformers rendering the same
@@ -231,9 +231,11 @@ def test_greedy_tools_and_json_schema_are_identical_without_speculation(server, 
         assert outputs() == speculated
 
 
-def test_openai_agents_sdk_runs_its_tool_loop(server):
-    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, RunConfig, Runner,
-                        function_tool)
+# The Agents SDK's two OpenAI models: Chat Completions, and its default, the Responses API.
+@pytest.mark.parametrize("api", ["OpenAIChatCompletionsModel", "OpenAIResponsesModel"])
+def test_openai_agents_sdk_runs_its_tool_loop(server, api):
+    import agents
+    from agents import Agent, ModelSettings, RunConfig, Runner, function_tool
 
     calls = []
 
@@ -243,7 +245,7 @@ def test_openai_agents_sdk_runs_its_tool_loop(server):
         calls.append(city)
         return f"It is 18 C and raining in {city}."
 
-    model = OpenAIChatCompletionsModel(
+    model = getattr(agents, api)(
         model=MODEL, openai_client=openai.AsyncOpenAI(base_url=f"{server.base_url}/v1",
                                                       api_key="unused"))
     agent = Agent(name="weather", instructions="Answer with the weather tool.", model=model,
