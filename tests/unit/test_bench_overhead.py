@@ -151,3 +151,43 @@ def test_idle_cpu_is_taken_off_per_token_figures():
              "output_tokens": 100}
     # 12.5 ms/token of serving CPU; 100 ms/s idle over 2 s is 2 ms per token of it.
     assert overhead.less_idle(level, {"serving_cpu_ms_per_s": 100.0}) == 10.5
+
+
+def test_the_image_body_arms_serve_one_multimodal_model_and_a_padded_image_is_the_same_image(
+        tmp_path: Path):
+    """`--engine k25 --image-body-mb`: both arms serve the synthetic Kimi-K2.5 with the same
+    engine arguments (the pipeline handing images to its engine), the pipeline takes the body,
+    and the padded PNG is the small one's pixels to both vLLM's image loader and the
+    Preprocess deployment's decoder, so only the body's size differs."""
+    import base64
+
+    import numpy as np
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.multimodal.media import MediaConnector
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from moonserve.pipeline.vision.preprocess import decode_image
+
+    config = load_app_config(overhead.k25_config(str(DEFAULT_CONFIG), tmp_path))
+    engine = config.language_model.engine
+    cmd = overhead.vllm_command(engine, engine.model, 8100)
+    server = AsyncEngineArgs.from_cli_args(
+        make_arg_parser(FlexibleArgumentParser()).parse_args(cmd[3:]))
+    ours = engine_args(engine, engine.model)
+    for name in ("model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                 "enable_prompt_embeds"):
+        assert getattr(server, name) == getattr(ours, name), name
+    assert config.vision.handover == "encoder_cache"
+
+    small = overhead.gradient_png()
+    padded = overhead.padded_png(small, 6_000_000)
+    url = overhead.data_url(padded)
+    assert abs(len(url) - 6_000_000) < 100
+    assert config.router.limits.max_request_bytes > len(url) + 1000
+    loaded = [np.asarray(MediaConnector().fetch_image(overhead.data_url(png)))
+              for png in (small, padded)]
+    decoded = [np.asarray(decode_image(png, config.vision.preprocessor)) for png in (small, padded)]
+    assert loaded[0].shape == (48, 64, 3)
+    assert np.array_equal(*loaded) and np.array_equal(*decoded)
+    assert base64.b64decode(url.split(",", 1)[1]) == padded
