@@ -36,7 +36,7 @@ from moonserve.pipeline.config import (
     check_k3_dspark_draft,
 )
 from moonserve.pipeline.api.protocol import GenerateRequest, ModelInfo, SamplingSpec
-from moonserve.pipeline.engine.output_sender import EngineOutputs, core_outputs_to_router
+from moonserve.pipeline.engine.output_sender import EngineOutputs
 from moonserve.pipeline.models.weights import TOKEN_EMBEDDING_NAMES, find_tensor, read_tensors, tensor_files
 
 logger = logging.getLogger("moonserve.language_model")
@@ -332,13 +332,12 @@ class LanguageModel:
         self.images = images
         self.image_format = None if images is None else image_format(model_path)
         self.resolver = start_draft_resolver(draft, draft_service) if draft is not None else None
-        with core_outputs_to_router():
-            self.engine = AsyncLLM.from_engine_args(
-                engine_args(config.engine, model_path, draft, config.chat.reasoning.parser,
-                            images, self.image_format and self.image_format.modality),
-                # vLLM's own metrics (vllm:* -> ray_vllm_*) through Ray's metrics agent.
-                stat_loggers=[load_logger_factory(self.load), RayPrometheusStatLogger],
-            )
+        self.engine = AsyncLLM.from_engine_args(
+            engine_args(config.engine, model_path, draft, config.chat.reasoning.parser, images,
+                        self.image_format and self.image_format.modality),
+            # vLLM's own metrics (vllm:* -> ray_vllm_*) through Ray's metrics agent.
+            stat_loggers=[load_logger_factory(self.load), RayPrometheusStatLogger],
+        )
         # The engine's outputs go to the Routers, which process them (vLLM's output processor
         # runs there, once per token): AsyncLLM's own output handler is never started.
         self.outputs = EngineOutputs(self.engine)

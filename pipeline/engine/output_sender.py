@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from moonserve.pipeline.api.background import in_background
@@ -42,36 +40,6 @@ logger = logging.getLogger("moonserve.language_model")
 # every other Router's streams); a Router this far behind is taken as stuck: its connection is
 # closed and its requests end with an error (ChannelLost there), aborted in the engine here.
 MAX_UNREAD_BYTES = 64 * 1024 * 1024
-
-# PROTOTYPE (issue 31's second design, `moonserve bench overhead` arms only): the engine core sends
-# the outputs of the Routers' requests straight to the Router's ZeroMQ socket at this ipc address
-# (as a vLLM frontend of `--api-server-count` gets them: client index 1); the replica forwards no
-# outputs, only each request's EngineCoreRequest, and a request ends here when its Router says so.
-CORE_OUTPUTS = os.environ.get("MOONSERVE_BENCH_CORE_OUTPUTS")
-
-
-@contextmanager
-def core_outputs_to_router():
-    """While AsyncLLM starts its engine core: give the core a second output socket, the
-    Router's (`CORE_OUTPUTS`)."""
-    from vllm.v1.engine import core_client
-
-    if CORE_OUTPUTS is None:
-        yield
-        return
-    launch = core_client.launch_core_engines
-
-    @contextmanager
-    def with_router(vllm_config, executor_class, log_stats, addresses):
-        addresses.outputs.append(CORE_OUTPUTS)
-        with launch(vllm_config, executor_class, log_stats, addresses) as launched:
-            yield launched
-
-    core_client.launch_core_engines = with_router
-    try:
-        yield
-    finally:
-        core_client.launch_core_engines = launch
 
 
 class RouterConnection(asyncio.Protocol):
@@ -232,10 +200,7 @@ class EngineOutputs:
                 RequestStateStats(arrival_time=request.arrival_time))
         try:
             for child in children:
-                if CORE_OUTPUTS is None:
-                    await self.engine.engine_core.add_request_async(child)
-                else:
-                    await self.add_for_router(child)
+                await self.engine.engine_core.add_request_async(child)
             await route.done
         finally:
             if route.running:
@@ -243,12 +208,6 @@ class EngineOutputs:
                 # closed, or the engine failed.
                 await asyncio.shield(self.abort(ids))
         return route.num_tokens
-
-    async def add_for_router(self, request) -> None:
-        from vllm.v1.engine import EngineCoreRequestType
-
-        request.client_index = 1  # its outputs go to the Router's socket
-        await self.engine.engine_core._send_input(EngineCoreRequestType.ADD, request)
 
     async def abort(self, request_ids: list[str]) -> None:
         live = [i for i in request_ids if self.routes.pop(i, None) is not None]

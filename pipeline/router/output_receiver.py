@@ -26,7 +26,6 @@ import asyncio
 import logging
 import secrets
 
-from moonserve.pipeline.engine.output_sender import CORE_OUTPUTS
 from moonserve.pipeline.engine.output_wire import (
     ABORT,
     OUTPUTS,
@@ -148,9 +147,6 @@ class OutputReceiver:
         self.address: ChannelAddress | None = None
         self.server: asyncio.Server | None = None
         self._starting: asyncio.Lock | None = None
-        self.early: dict[str, list] = {}  # PROTOTYPE: outputs that came before their request
-        self.connection_of: dict[str, ChannelConnection] = {}  # PROTOTYPE: engine request id ->
-        self.core_task: asyncio.Task | None = None
 
     async def start(self) -> ChannelAddress:
         """Listen (once; later calls return the address)."""
@@ -164,8 +160,6 @@ class OutputReceiver:
                                                        self.host, 0)
                 port = self.server.sockets[0].getsockname()[1]
                 self.address = ChannelAddress(self.host, port, self.token)
-                if CORE_OUTPUTS is not None:
-                    self.read_core_outputs()
         return self.address
 
     def open(self, request_id: str, num_logprobs: int | None = None) -> RequestOutputs:
@@ -187,62 +181,6 @@ class OutputReceiver:
         parent, children = fan_out(request)
         for index, child in enumerate(children):
             self.processor.add_request(child, None, parent, index, None)
-        for child in children:
-            if CORE_OUTPUTS is not None:
-                self.connection_of[child.request_id] = connection
-            for output, timestamp in self.early.pop(child.request_id, ()):
-                from vllm.v1.engine import EngineCoreOutputs
-
-                self.process_core(EngineCoreOutputs(outputs=[output], timestamp=timestamp))
-
-    def read_core_outputs(self) -> None:
-        """PROTOTYPE (issue 31's second design): this Router is the engine core's client 1; its
-        requests' outputs come straight from the core, as vLLM's own frontend reads them."""
-        import zmq
-        import zmq.asyncio
-        from vllm.utils.network_utils import make_zmq_socket
-        from vllm.v1.engine import EngineCoreOutputs
-        from vllm.v1.serial_utils import MsgpackDecoder
-
-        socket = make_zmq_socket(zmq.asyncio.Context(), CORE_OUTPUTS, zmq.PULL)
-        decoder = MsgpackDecoder(EngineCoreOutputs)
-
-        async def read():
-            while True:
-                frames = await socket.recv_multipart(copy=False)
-                self.process_core(decoder.decode(frames))
-
-        self.core_task = asyncio.ensure_future(read())
-
-    def process_core(self, outputs) -> None:
-        """PROTOTYPE: one step's outputs from the engine core; the requests that finished (or a
-        stop string ended) are named to their LanguageModel, which ends (or aborts) them."""
-        states = self.processor.request_states
-        ready = []
-        for output in outputs.outputs:
-            if output.request_id in states:
-                ready.append(output)
-            else:
-                self.early.setdefault(output.request_id, []).append((output, outputs.timestamp))
-        ended: dict[ChannelConnection, list[str]] = {}
-        for output in ready:
-            if output.finish_reason is not None:
-                self.add_ended(ended, output.request_id)
-        processed = self.processor.process_outputs(ready, outputs.timestamp)
-        for output in processed.request_outputs:
-            request = self.requests.get(output.request_id)
-            if request is not None:
-                for delta in deltas_of(output, request.num_logprobs):
-                    request.put(delta)
-        for request_id in processed.reqs_to_abort:
-            self.add_ended(ended, request_id)
-        for connection, ids in ended.items():
-            connection.send_abort(ids)
-
-    def add_ended(self, ended: dict, internal_id: str) -> None:
-        connection = self.connection_of.pop(internal_id, None)
-        if connection is not None:
-            ended.setdefault(connection, []).append(internal_id)
 
     def process(self, outputs, connection: ChannelConnection) -> None:
         """One engine step's outputs: vLLM's output processing, each request its deltas, and

@@ -119,8 +119,12 @@ class TwoNodeCluster:
         # Ray drains a node for up to 30 s when `ray start --block` gets SIGTERM (for a pod
         # deleted under live traffic); these nodes get it only once the app is gone, and the
         # head then sat out the whole 30 s at every run's end.
+        # Serve's proxy (on the head) sends each request to a Router replica on its own node
+        # when there is one; off, so a Router app with a replica on each node gets requests on
+        # both (the stored-turns test).
         self.env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token,
-                    "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+                    "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+                    "RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING": "0"}
         self.env.pop("RAY_ADDRESS", None)
         (self.gcs_port, self.dashboard_port, self.client_port,
          *self.node_ports) = free_ports(3 + 2 * 4)

@@ -12,6 +12,8 @@ with an error the client sees), its streams end with an error event and `[DONE]`
 go to the head's replica; the node rejoins and the app serves on both replicas again. Then every
 Grafana panel's query has a series in that Prometheus, and headless Chromium logs into the Ray
 dashboard with the cluster's token (as the README says) and takes the screenshot in the docs.
+Last, a second Router app with a replica on each node keeps Responses turns in a real Redis
+(Debian's `redis-server`), and each replica reads what the other stored.
 
 These tests run in order and share one cluster; they run before the session server starts
 (`tests/cluster` sorts first), so no third engine shares the two cores.
@@ -23,6 +25,7 @@ import asyncio
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -377,3 +380,79 @@ def test_the_dashboard_shows_both_nodes_after_login_with_the_token(cluster, app,
             shutil.copyfile(shot, REPO / "docs" / "images" / shot.name)
     assert head in text and worker in text, text
     assert text.count("ServeReplica:moonserve:LanguageModel") == 2, text  # one on each node
+
+
+SESSIONS = "sessions"  # the Router app of the stored-turns test
+
+
+def deploy_session_routers(address: str, database: str, http_port: int) -> None:
+    """Run in a child joined to the cluster: a second Router app at `/sessions`, two replicas
+    (one per node: `max_replicas_per_node: 1`), its stored turns in `database`, bound to the app's
+    LanguageModel (no third engine)."""
+    import ray
+    from ray import serve
+
+    from moonserve.deployments.builder import bind_router, resolve_model_path
+    from moonserve.pipeline.config import AppConfig
+
+    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    args = two_node_config(http_port)["applications"][0]["args"]
+    args["router"]["deployment"] = {"num_replicas": 2, "max_replicas_per_node": 1,
+                                    "max_ongoing_requests": 256}
+    args["router"]["responses"] = {"database": database}
+    config = AppConfig.model_validate(args)
+    lm = serve.get_deployment_handle("LanguageModel", app_name=APP)
+    serve.run(bind_router(config.router, lm, resolve_model_path(config.language_model),
+                          chat=config.language_model.chat, drain_s=config.drain_s()),
+              name=SESSIONS, route_prefix=f"/{SESSIONS}")
+
+
+def delete_session_routers(address: str) -> None:
+    import ray
+    from ray import serve
+
+    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    serve.delete(SESSIONS)
+
+
+def in_child(cluster: TwoNodeCluster, function: str, *args) -> None:
+    call = f"from tests.cluster.test_two_nodes import {function} as f; f(*{args!r})"
+    done = subprocess.run([sys.executable, "-c", call], env=cluster.env, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+async def test_stored_turns_in_redis_are_read_by_router_replicas_on_both_nodes(
+        cluster, app, prometheus, redis_url):
+    """`router.responses.database: redis://...` on a cluster: a turn stored through either
+    node's Router replica is read and continued through the other's (a per-node SQLite file
+    would answer about half of these with a 404)."""
+    import openai
+
+    in_child(cluster, "deploy_session_routers", cluster.address, redis_url,
+             int(app.rsplit(":", 1)[1]))
+    try:
+        head, worker = node_ids(cluster)
+        routers = [r for r in cluster.serve_replicas(SESSIONS).get("Router", [])
+                   if r.get("state") == "RUNNING"]
+        assert sorted(r["node_id"] for r in routers) == sorted([head, worker]), routers
+        client = openai.AsyncOpenAI(base_url=f"{app}/{SESSIONS}/v1", api_key="unused",
+                                    max_retries=0, timeout=120)
+        ask = {"model": MODEL, "max_output_tokens": 4, "temperature": 0}
+        served = 'sum by (replica) (ray_serve_deployment_request_counter_total' \
+            f'{{application="{SESSIONS}",deployment="Router"}})'
+        first = await client.responses.create(input="Hi", **ask)
+        turns = await asyncio.gather(*(client.responses.create(
+            input=f"And {k}?", previous_response_id=first.id, **ask) for k in range(8)))
+        read = await asyncio.gather(*(client.responses.retrieve(t.id) for t in turns * 2))
+        assert [r.output_text for r in read] == [t.output_text for t in turns * 2]
+        assert all(t.usage.input_tokens > first.usage.input_tokens for t in turns)
+        # Both replicas answered some of those (Serve's request counter, per replica).
+        deadline = time.monotonic() + 30
+        while len(by_replica := {s["metric"]["replica"]: float(s["value"][1])
+                                 for s in prometheus.query(served)}) < 2:
+            assert time.monotonic() < deadline, by_replica
+            await asyncio.sleep(2)
+        assert all(n > 0 for n in by_replica.values()), by_replica
+    finally:
+        in_child(cluster, "delete_session_routers", cluster.address)

@@ -30,14 +30,15 @@ def local_args() -> tuple[dict, dict]:
 
 
 @contextmanager
-def running_app(root: Path, data: dict, port: int):
+def running_app(root: Path, data: dict, port: int, env: dict | None = None):
     config = root / "app.yaml"
     config.write_text(yaml.safe_dump(data, sort_keys=False))
     process = ServerProcess(
         [sys.executable, "-m", "moonserve.pipeline.app.cli", "serve", "--config", str(config),
          "--port", str(port), "--dashboard-port", str(port + 150),
          "--metrics-export-port", str(port + 160)],
-        f"http://127.0.0.1:{port}/health", log_path=root / "serve.log", start_timeout_s=420)
+        f"http://127.0.0.1:{port}/health", log_path=root / "serve.log", env=env,
+        start_timeout_s=420)
     process.start()
     try:
         yield process

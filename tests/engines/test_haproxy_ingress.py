@@ -30,7 +30,10 @@ def app(tmp_path_factory):
     args["router"]["ingress"] = "haproxy"
     args.pop("vision")
     args["draft"] = {"mode": "off"}
-    with running_app(root, data, HTTP_PORT) as process:
+    # Serve keeps a Router replica that HAProxy may still route to for 30 s after it is told to
+    # stop, Ctrl-C's included; nothing here replaces one.
+    env = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
+    with running_app(root, data, HTTP_PORT, env) as process:
         yield process
 
 

@@ -160,6 +160,7 @@ def test_custom_resources_pin_replicas_and_serve_gets_the_proxy_location(tmp_pat
     data = yaml.safe_load(LOCAL_CONFIG.read_text())
     args = data["applications"][0]["args"]
     args["router"]["deployment"]["resources"] = {"moonserve_head": 0.01}
+    args["router"]["deployment"]["max_replicas_per_node"] = 1
     args["draft"]["deployment"]["resources"] = {"moonserve_worker": 0.01}
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -170,8 +171,15 @@ def test_custom_resources_pin_replicas_and_serve_gets_the_proxy_location(tmp_pat
     assert resources == {"Router": {"moonserve_head": 0.01}, "LanguageModel": None,
                          "DraftService": {"moonserve_worker": 0.01}, "ImagePreprocessor": None,
                          "VisionEncoder": None}
+    spread = {name: d._replica_config.max_replicas_per_node for name, d in graph.items()}
+    assert spread == {"Router": 1, "LanguageModel": None, "DraftService": None,
+                      "ImagePreprocessor": None, "VisionEncoder": None}
     args["language_model"]["deployment"]["resources"] = {"moonserve_lm": 1}
     with pytest.raises(ValidationError, match=r"put custom resources in placement.bundles\[0\]"):
+        AppConfig.model_validate(args)
+    del args["language_model"]["deployment"]["resources"]
+    args["language_model"]["deployment"]["max_replicas_per_node"] = 1
+    with pytest.raises(ValidationError, match=r"deployment.max_replicas_per_node: the Language"):
         AppConfig.model_validate(args)
 
 
