@@ -65,7 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "64x48 PNG as a data URL, padded to this size with a chunk image "
                              "decoders skip, against the same PNG unpadded (sequential, "
                              "--image-body-requests each; needs a multimodal engine: --engine k25)")
-    parser.add_argument("--image-body-requests", type=int, default=8)
+    parser.add_argument("--image-body-requests", type=int, default=8,
+                        help="requests of each size per round for --image-body-mb (after one "
+                             "of each to warm up)")
     parser.add_argument("--concurrency", type=int, nargs="+",
                         help="levels (default: 1 4 16; with --engine tiny: 1 64 256)")
     parser.add_argument("--requests", type=int,

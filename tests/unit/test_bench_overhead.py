@@ -179,6 +179,16 @@ def test_the_image_body_arms_serve_one_multimodal_model_and_a_padded_image_is_th
                  "enable_prompt_embeds"):
         assert getattr(server, name) == getattr(ours, name), name
     assert config.vision.handover == "encoder_cache"
+    # vLLM's arm gets a chat template that writes an image as K2.5's own placeholder (what
+    # vLLM's processor expands), as the Router writes it from vision.image_placeholder.
+    import jinja2
+    from vllm.model_executor.models.kimi_k25 import KimiK25ForConditionalGeneration
+
+    template = jinja2.Template(overhead.k25_chat_template(tmp_path).read_text())
+    prompt = template.render(add_generation_prompt=True, messages=[{"role": "user", "content": [
+        {"type": "text", "text": "describe"}, {"type": "image"}]}])
+    placeholder = KimiK25ForConditionalGeneration.get_placeholder_str("image", 0)
+    assert prompt.count(placeholder) == 1 and "kimi_image_placeholder" not in prompt
 
     small = overhead.gradient_png()
     padded = overhead.padded_png(small, 6_000_000)
