@@ -847,11 +847,15 @@ class ResponsesConfig(StrictModel):
     @field_validator("database")
     @classmethod
     def _path_or_redis(cls, value: str) -> str:
-        scheme, found, _ = value.partition("://")
-        if found and scheme not in ("redis", "rediss", "unix"):
+        if "://" in value and not is_redis_url(value):
             raise ValueError(f"{value!r}: a SQLite file path or a redis://, rediss:// or "
                              "unix:// URL")
         return value
+
+
+def is_redis_url(database: str) -> bool:
+    """`router.responses.database` names a Redis server (redis-py's URL schemes), not a file."""
+    return database.startswith(("redis://", "rediss://", "unix://"))
 
 
 class RouterConfig(StrictModel):

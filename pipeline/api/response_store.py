@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from moonserve.pipeline.api.errors import APIError
+from moonserve.pipeline.config import is_redis_url
 
 logger = logging.getLogger("moonserve.router")
 # A continuation chain longer than this is refused (a loop cannot happen: ids are new per turn).
@@ -124,8 +125,9 @@ class ResponseStore:
 
 
 def open_store(database: str, retention_s: float) -> ResponseStore:
-    """`router.responses.database`: a `redis://` (or `rediss://`) URL, else a SQLite file."""
-    if database.startswith(("redis://", "rediss://", "unix://")):
+    """`router.responses.database`: a Redis URL (`redis://`, `rediss://`, `unix://`), else a
+    SQLite file."""
+    if is_redis_url(database):
         return RedisStore(database, retention_s)
     return SqliteStore(Path(database), retention_s)
 

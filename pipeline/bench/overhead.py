@@ -156,31 +156,21 @@ def tiny_config(config_path: str, out: Path) -> Path:
     return out
 
 
-# --engine k25: the synthetic checkpoint's engine arguments (vLLM runs MLA with prefix caching off
-# on a CPU) and its image settings (`synthetic_checkpoints.k25.preprocessor_config`).
-K25_ENGINE = {"dtype": "bfloat16", "max_model_len": 2048, "max_num_seqs": 4,
-              "max_num_batched_tokens": 2048, "enable_prompt_embeds": False}
-K25_VISION = {"handover": "encoder_cache", "image_placeholder": "<|media_pad|>",
-              "preprocessor": {"in_patch_limit": 1024, "patch_limit_on_one_side": 64},
-              "encoder": {"max_batch_size": 2}}
-
-
 def k25_config(config_path: str, root: Path) -> Path:
     """The config file with a tiny random-weight Kimi-K2.5 as its LM, images handed to its engine
     as vLLM multimodal inputs (`vision.handover: encoder_cache`), bodies up to 64 MiB."""
     import yaml
 
     from moonserve.pipeline.config import load_serve_config
-    from moonserve.pipeline.synthetic_checkpoints.k25 import write_k25_checkpoint
+    from moonserve.pipeline.synthetic_checkpoints import k25
 
     data = load_serve_config(config_path)
     args = data["applications"][0]["args"]
     lm = args["language_model"]
-    lm["engine"] = {**lm.get("engine", {}), "model": str(write_k25_checkpoint(root / "k25")),
-                    **K25_ENGINE}
+    lm["engine"] = {**lm.get("engine", {}), "model": str(k25.write_k25_checkpoint(root / "k25")),
+                    **k25.SERVE_ENGINE}
     lm["chat"] = {}
-    args["vision"] = {**K25_VISION,
-                      "encoder": {**K25_VISION["encoder"], "store": str(root / "ec-store")}}
+    args["vision"] = k25.serve_vision(root / "ec-store")
     limits = args.setdefault("router", {}).setdefault("limits", {})
     limits["max_request_bytes"] = 64 << 20
     out = root / "k25.yaml"
@@ -193,11 +183,10 @@ def k25_chat_template(root: Path) -> Path:
     placeholder (vLLM's `get_placeholder_str`), where the Router writes it from
     `vision.image_placeholder`: the two arms' prompts are the same tokens."""
     from moonserve.pipeline.synthetic_checkpoints.k3 import CHAT_TEMPLATE
+    from moonserve.pipeline.synthetic_checkpoints.k25 import IMAGE_PLACEHOLDER
 
     path = root / "k25-chat-template.jinja"
-    path.write_text(CHAT_TEMPLATE.replace(
-        "<|kimi_image_placeholder|>",
-        "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"))
+    path.write_text(CHAT_TEMPLATE.replace("<|kimi_image_placeholder|>", IMAGE_PLACEHOLDER))
     return path
 
 

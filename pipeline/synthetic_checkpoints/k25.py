@@ -19,6 +19,8 @@ API (all that other modules should use):
 - `write_k25_checkpoint(dir, seed=0, dims=K25Dims()) -> Path`: config.json, preprocessor_config.json
   (`media_proc_cfg`), the tokenizer of `k3.write_tokenizer` and `model.safetensors`
   (norms 1, their biases 0, everything else N(0, 0.02); bfloat16, the router bias float32).
+- `SERVE_ENGINE`, `serve_vision(store)`: how moonserve serves it (`moonserve bench overhead
+  --engine k25`, tests/engines): the `language_model.engine` and `vision` settings.
 
 Example:
     >>> import tempfile
@@ -131,6 +133,21 @@ def preprocessor_config(dims: K25Dims) -> dict:
         "in_patch_limit_each_frame": 1024, "in_patch_limit_video": None,
         "patch_limit_on_one_side": dims.pos_emb_size, "fixed_output_tokens": None,
         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}}
+
+
+# The engine arguments moonserve serves the checkpoint with (vLLM runs MLA with prefix caching off
+# on a CPU).
+SERVE_ENGINE = {"dtype": "bfloat16", "max_model_len": 2048, "max_num_seqs": 4,
+                "max_num_batched_tokens": 2048, "enable_prompt_embeds": False}
+
+
+def serve_vision(store: Path, dims: K25Dims = K25Dims()) -> dict:
+    """The app's `vision` for the checkpoint: images handed to its engine (the encoder's outputs
+    in `store`), preprocessed as its media_proc_cfg says."""
+    media = preprocessor_config(dims)["media_proc_cfg"]
+    return {"handover": "encoder_cache", "image_placeholder": "<|media_pad|>",
+            "preprocessor": {k: media[k] for k in ("in_patch_limit", "patch_limit_on_one_side")},
+            "encoder": {"store": str(store), "max_batch_size": 2}}
 
 
 def vision_shapes(d: K25Dims) -> dict[str, tuple[int, ...]]:

@@ -26,7 +26,11 @@ from tokenizers import Tokenizer
 
 from moonserve.pipeline.engine.ec_store import get, has
 from moonserve.pipeline.synthetic_checkpoints.k3 import token_id
-from moonserve.pipeline.synthetic_checkpoints.k25 import write_k25_checkpoint
+from moonserve.pipeline.synthetic_checkpoints.k25 import (
+    SERVE_ENGINE,
+    serve_vision,
+    write_k25_checkpoint,
+)
 from tests.engines.own_app import local_args, running_app, serve_calls_in_child
 
 HTTP_PORT = 8132
@@ -55,14 +59,10 @@ def app(tmp_path_factory):
     data, args = local_args()
     args["router"]["limits"]["max_images"] = 2
     engine = args["language_model"]["engine"]
-    engine.update(model=str(checkpoint), dtype="bfloat16", max_model_len=2048, max_num_seqs=4,
-                  max_num_batched_tokens=2048, enable_prompt_embeds=False,
+    engine.update(model=str(checkpoint), **SERVE_ENGINE,
                   worker_extension_cls="moonserve.pipeline.engine.worker_probe.ImageProbe")
     args["language_model"]["chat"] = {}
-    # The checkpoint's media_proc_cfg (synthetic_checkpoints.k25.preprocessor_config).
-    args["vision"] = {"handover": "encoder_cache", "image_placeholder": MEDIA_PAD,
-                      "preprocessor": {"in_patch_limit": 1024, "patch_limit_on_one_side": 64},
-                      "encoder": {"store": str(store), "max_batch_size": 2}}
+    args["vision"] = serve_vision(store)
     args["draft"] = {"mode": "off"}
     with running_app(root, data, HTTP_PORT) as process:
         process.checkpoint, process.store = checkpoint, store

@@ -1,5 +1,6 @@
 """OpenAI's Responses API in the running app, through the `openai` client (the Agents SDK's
-Responses model runs its tool loop in tests/server/test_tools.py): whole and streamed answers equal the chat answer to the same conversation, a tool loop continued
+Responses model runs its tool loop in tests/server/test_tools.py): whole and streamed answers
+equal the chat answer to the same conversation, a tool loop continued
 by `previous_response_id` (with an image that is never sent again), stored turns read back,
 listed and deleted, visible to their API key alone and kept across a Router replica's
 replacement, and 400s in OpenAI's shape naming the Responses field."""

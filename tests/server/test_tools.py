@@ -1,6 +1,7 @@
 """Tool calling, structured outputs and n > 1 in the running app, through real clients: the
 `openai` client (tools, streaming reassembled, `chat.completions.parse`), the OpenAI Agents SDK
-(an agent's whole tool loop, on Chat Completions and on the Responses API) and pydantic-ai (a validated object back).
+(an agent's whole tool loop, on Chat Completions and on the Responses API) and pydantic-ai (a
+validated object back).
 
 Arguments are checked against each tool's JSON Schema with `jsonschema`; the conversation history
 with tool calls is checked by its prompt token count against transformers rendering the same
