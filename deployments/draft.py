@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import statistics
 import threading
@@ -28,14 +29,16 @@ from moonserve.pipeline.speculative.drafter import NoDrafter
 from moonserve.pipeline.speculative.endpoint import StepServer
 from moonserve.pipeline.speculative.ngram import NgramDrafter
 from moonserve.pipeline.speculative.service import DraftCore, StepObservation
+from moonserve.pipeline.speculative.suffix import SuffixDrafter
 
 logger = logging.getLogger("moonserve.draft")
 EVICT_INTERVAL_S = 5.0
 
 
 def drafter_factories(config: DraftConfig, draft_model_path: str, target_path: str) -> dict:
-    """Drafters by name, each built on first use: `ngram`, `dspark` (weights at
-    `draft_model_path`, embedding and LM head shared from the target checkpoint at `target_path`),
+    """Drafter factories by name, called at each `set_drafter`: `ngram`, `suffix`, `dspark`
+    (weights at `draft_model_path`, embedding and LM head shared from the target checkpoint at
+    `target_path`),
     `none` (no drafts: speculation paused) and, when it is the configured drafter,
     `dspark_context` (K3 DSpark over the target's hidden states, same weights path)."""
     def device() -> str:
@@ -43,6 +46,7 @@ def drafter_factories(config: DraftConfig, draft_model_path: str, target_path: s
 
         return "cuda" if config.num_gpus and torch.cuda.is_available() else "cpu"
 
+    @functools.cache  # the weights load once; the drafter keeps nothing per request
     def dspark():
         from moonserve.pipeline.models.dspark import target_shared_tensors
         from moonserve.pipeline.speculative.dspark import DSparkDrafter
@@ -50,6 +54,7 @@ def drafter_factories(config: DraftConfig, draft_model_path: str, target_path: s
         return DSparkDrafter.from_pretrained(draft_model_path, device=device(),
                                              shared=target_shared_tensors(target_path))
 
+    @functools.cache
     def dspark_context():
         from moonserve.pipeline.models.dspark import target_shared_tensors
         from moonserve.pipeline.speculative.dspark_context import ContextDSparkDrafter
@@ -58,7 +63,8 @@ def drafter_factories(config: DraftConfig, draft_model_path: str, target_path: s
                                                     shared=target_shared_tensors(target_path))
 
     drafters = {"ngram": lambda: NgramDrafter(min_n=config.ngram_min, max_n=config.ngram_max),
-                "dspark": dspark, "none": NoDrafter}
+                "suffix": lambda: SuffixDrafter(config.suffix), "dspark": dspark,
+                "none": NoDrafter}
     if config.drafter == "dspark_context":  # only then do the proposers send hidden states
         drafters["dspark_context"] = dspark_context
     return drafters

@@ -447,6 +447,11 @@ class LanguageModel:
         never HTTP)."""
         return await self.engine.collective_rpc(method, args=args)
 
+    async def reset_prefix_cache(self) -> bool:
+        """Drop the engine's cached prefixes (vLLM's `reset_prefix_cache`; False while requests
+        hold blocks): benchmarks start each arm cold. Serve handles only, never HTTP."""
+        return await self.engine.reset_prefix_cache()
+
     async def stats(self) -> dict:
         return {
             "num_unfinished_requests": len(self.outputs.routes),

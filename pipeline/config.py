@@ -31,6 +31,7 @@ from pydantic import (
 
 from moonserve.pipeline.speculative.adaptive import AdaptivePolicy
 from moonserve.pipeline.speculative.sessions import SessionLimits
+from moonserve.pipeline.speculative.suffix import SuffixSettings
 from moonserve.pipeline.vision.preprocess_config import PreprocessConfig
 from moonserve.pipeline.vision.remote_policy import RemotePolicy
 
@@ -718,8 +719,9 @@ class DraftConfig(StrictModel):
     mode: Literal["service", "inline", "off"] = Field("off", description=(
         "Where draft tokens come from: `service` (the DraftService; configs/local.yaml), "
         "`inline` (vLLM's in-engine method; configs/mi355x-k3.1-pro.yaml) or `off`."))
-    drafter: Literal["ngram", "dspark", "dspark_context"] = Field("ngram", description=(
-        "What drafts: `ngram` prompt lookup (configs/local.yaml), the `dspark` model "
+    drafter: Literal["ngram", "suffix", "dspark", "dspark_context"] = Field("ngram", description=(
+        "What drafts: `ngram` prompt lookup (configs/local.yaml), `suffix` (suffix trees over "
+        "the request and recent responses; service only), the `dspark` model "
         "(configs/mi355x-k3.1-pro.yaml, inline) or `dspark_context` (service only)."))
     num_speculative_tokens: PositiveInt = Field(4, description=(
         "Draft tokens per request per engine step (with `adaptive`, the most)."))
@@ -727,6 +729,9 @@ class DraftConfig(StrictModel):
         "Smallest prompt lookup n-gram (vLLM's prompt_lookup_min), for both ngram drafters."))
     ngram_max: PositiveInt = Field(5, description=(
         "Largest prompt lookup n-gram (vLLM's prompt_lookup_max), for both ngram drafters."))
+    suffix: SuffixSettings = Field(SuffixSettings(), description=(
+        "With drafter `suffix`: its trees and thresholds (pipeline/speculative/suffix.py; vLLM's "
+        "suffix_decoding_* settings)."))
     # Without it vLLM would read the draft from the target checkpoint and, for K3, resolve it as
     # DeepSeek-V4's `DSparkDraftModel`.
     model: str = Field(EMBEDDED_MODEL, description=(
@@ -773,6 +778,10 @@ class DraftConfig(StrictModel):
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"draft.ngram_min ({self.ngram_min}) is over draft.ngram_max "
                              f"({self.ngram_max})")
+        if self.drafter == "suffix" and self.mode != "service":
+            raise ValueError("draft.drafter suffix is a DraftService drafter: set draft.mode to "
+                             "service (vLLM's in-engine suffix method needs Arctic Inference, "
+                             "which moonserve does not install)")
         if self.drafter == "dspark_context" and self.mode != "service":
             raise ValueError("draft.drafter dspark_context is a DraftService drafter: set "
                              "draft.mode to service (inline, vLLM's own dspark reads the hidden "

@@ -19,15 +19,19 @@ class RequestResult:
     # Gaps between content chunks (a chunk is one token unless the server merged several).
     inter_token_s: list[float] = field(default_factory=list)
     text: str = ""
+    # (name, arguments JSON) of each tool call, in the order of their indices
+    tool_calls: list[tuple[str, str]] = field(default_factory=list)
 
 
 async def stream_chat(session: aiohttp.ClientSession, url: str, body: dict) -> RequestResult:
-    """POST a streaming chat completion and time it; raises on a non-200 answer or an error event."""
+    """POST a streaming chat completion and time it; raises on a non-200 answer or an error event.
+    A chunk of content or of a tool call counts as a token's arrival."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     began = time.perf_counter()
     first = last = None
     gaps: list[float] = []
     parts: list[str] = []
+    calls: dict[int, tuple[str, str]] = {}
     tokens = 0
     async with session.post(url, json=body) as response:
         if response.status != 200:
@@ -40,17 +44,24 @@ async def stream_chat(session: aiohttp.ClientSession, url: str, body: dict) -> R
                 raise RuntimeError(f"error event: {event['error']}")
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
-            text = event["choices"][0]["delta"].get("content") if event["choices"] else None
-            if not text:
+            delta = event["choices"][0]["delta"] if event["choices"] else {}
+            for call in delta.get("tool_calls") or ():
+                name, arguments = calls.get(call["index"], ("", ""))
+                function = call.get("function") or {}
+                calls[call["index"]] = (name + (function.get("name") or ""),
+                                        arguments + (function.get("arguments") or ""))
+            text = delta.get("content")
+            if not text and not delta.get("tool_calls"):
                 continue
             now = time.perf_counter()
             first = first or now
             if last is not None:
                 gaps.append(now - last)
             last = now
-            parts.append(text)
+            parts.append(text or "")
     end = time.perf_counter()
-    return RequestResult((first or end) - began, end - began, tokens, gaps, "".join(parts))
+    return RequestResult((first or end) - began, end - began, tokens, gaps, "".join(parts),
+                         [calls[i] for i in sorted(calls)])
 
 
 async def run_load(url: str, bodies: list[dict], concurrency: int) -> tuple[list[RequestResult], float]:

@@ -3,26 +3,34 @@
 Arms: `off` (no speculation); `vllm_ngram` (vLLM's in-engine prompt lookup, `draft.mode: inline`;
 `--vllm-ngram-k K` adds `vllm_ngram_kK`, the same at k = K); `service_ngram` (the DraftService,
 `draft.mode: service`, with `draft.adaptive` as configured), `service_ngram_fixed` (the same with
-adaptive drafting off: k drafts every step), `service_dspark` and `service_none` (the service
-path drafting nothing: the cost of the path by itself); one engine for the service arms, switched
-with `DraftService.set_drafter`. Every arm uses the same n-gram sizes and greedy
+adaptive drafting off: k drafts every step), `service_suffix` (the DraftService's suffix
+drafter), `service_dspark` and `service_none` (the service path drafting nothing: the cost of the
+path by itself); one engine for the service arms, switched with `DraftService.set_drafter`. Every arm uses the same n-gram sizes and greedy
 requests, so all arms must produce identical text (`outputs_match_off`); all but `vllm_ngram_kK`
 draft at most `num_speculative_tokens` (the config's, or `--num-speculative-tokens`).
 
-Workloads: `copy` (rewrite/extract tasks whose answers copy from the prompt), `chat` (plain
-questions), both `--max-tokens` long, and `short_chat` (one-line questions, 32-token answers).
-Requests run `--concurrency` at a time. Per arm and workload: decode tokens/s
-(completion tokens / wall time), per-request latency and TTFT, and from the engine and the
-service: acceptance rate (accepted / draft tokens), mean acceptance length (1 + accepted / drafts:
-tokens per verify step, as vLLM logs it) and prefetch hit rate.
+Workloads: `copy` (rewrite/extract tasks whose answers copy from the prompt) and `chat` (plain
+questions), both `--max-tokens` long; `short_chat` (one-line questions, 32-token answers); and
+`agentic` (`--requests` of BFCL's multi-turn conversations as tool loops, each session's
+requests one after another, at most 256 tokens each: `moonserve.pipeline.bench.agentic`).
+`chat` and `short_chat` repeat their 10 questions past 10 requests, and a suffix drafter drafts a
+repeated answer from its cache of responses. Each workload runs at every `--concurrency`
+(requests, or sessions, in flight), `--rounds` times; the arms of one engine take turns within a
+round, and each cell starts with an empty prefix cache and a new drafter. Per arm, workload and
+concurrency: decode tokens/s (completion tokens / wall time; the median over rounds,
+`speedup_vs_off` from the medians), per-request latency and TTFT, and from the engine and the
+service: acceptance rate (accepted / draft tokens), mean acceptance length (1 + accepted /
+drafts: tokens per verify step, as vLLM logs it) and prefetch hit rate (the prefetched drafts
+that answered the next step: how often the overlap held).
 
 After the arms, `hidden_state_steps` (`moonserve.pipeline.bench.hidden_steps`): draft steps that
 carry the target's hidden states to the `dspark_context` drafter through a real step server, at
 batch 1, 8 and 64: request bytes per step, round trip p50/p99, the service's step time, and the
 bytes at K3's widths (`--hidden-state-steps 0` skips it).
 
-    moonserve bench speculative [--requests 8] [--max-tokens 96] [--num-speculative-tokens K]
-                                [--vllm-ngram-k K ...] [--arms a,b] [--hidden-state-steps N]
+    moonserve bench speculative [--requests 8] [--max-tokens 96] [--concurrency 1 4 16]
+                                [--rounds 3] [--num-speculative-tokens K] [--vllm-ngram-k K ...]
+                                [--arms a,b] [--workloads a,b] [--hidden-state-steps N]
                                 [--out bench-speculative.json]
 """
 
@@ -39,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-from moonserve.pipeline.bench import hidden_steps
+from moonserve.pipeline.bench import agentic, hidden_steps
 from moonserve.pipeline.bench.client import percentile, run_load
 from moonserve.pipeline.bench.corpus import chat_prompts, copy_prompts, short_chat_prompts
 from moonserve.pipeline.config import DEFAULT_CONFIG, load_app_config, write_with_args
@@ -61,21 +69,27 @@ ARMS = {
     "vllm_ngram": Arm("vllm_ngram", {"mode": "inline", "drafter": "ngram"}),
     "service_ngram_fixed": Arm("service", SERVICE, "ngram", adaptive=False),
     "service_ngram": Arm("service", SERVICE, "ngram"),
+    "service_suffix": Arm("service", SERVICE, "suffix"),
     "service_dspark": Arm("service", SERVICE, "dspark"),
     # The service path with no drafts at all: what speculation costs a step by itself.
     "service_none": Arm("service", SERVICE, "none"),
 }
 SHORT_CHAT_MAX_TOKENS = 32
+# An agent step's answer: a required tool call must fit (the server refuses a cut-off one).
+AGENTIC_MAX_TOKENS = 256
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=str(DEFAULT_CONFIG))
     parser.add_argument("--requests", type=int, default=8, help="requests per workload and arm")
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1],
+                        help="requests (agentic: sessions) in flight; each value is a cell")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="times each cell runs; tokens/s is the median")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"subset of {','.join(ARMS)}")
     parser.add_argument("--workloads", default="copy,chat,short_chat",
-                        help="subset of copy,chat,short_chat")
+                        help=f"subset of {','.join(WORKLOADS)}")
     parser.add_argument("--num-speculative-tokens", type=int, default=None,
                         help="the most drafts per step for every arm (default: the config's)")
     parser.add_argument("--vllm-ngram-k", type=int, nargs="*", default=[],
@@ -87,16 +101,59 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench-speculative.json")
 
 
-def workloads(args) -> dict[str, tuple[list[str], int]]:
-    """name -> (prompts, max_tokens)."""
-    n = args.requests
-    every = {"copy": (copy_prompts(n), args.max_tokens), "chat": (chat_prompts(n), args.max_tokens),
-             "short_chat": (short_chat_prompts(n), SHORT_CHAT_MAX_TOKENS)}
+@dataclass(frozen=True)
+class Prompts:
+    """One-turn chat requests, `concurrency` in flight."""
+
+    prompts: list[str]
+    max_tokens: int
+
+    def run(self, url: str, model: str, concurrency: int) -> tuple[list, list[str], float]:
+        """All requests: their results, texts (in prompt order) and wall seconds."""
+        results, wall = asyncio.run(run_load(url, self.bodies(model), concurrency))
+        return results, [r.text for r in results], wall
+
+    def warm_up(self, url: str, model: str) -> None:
+        asyncio.run(run_load(url, self.bodies(model)[:1], 1))
+
+    def bodies(self, model: str) -> list[dict]:
+        return [{"model": model, "messages": [{"role": "user", "content": p}],
+                 "max_tokens": self.max_tokens, "temperature": 0} for p in self.prompts]
+
+
+@dataclass(frozen=True)
+class Sessions:
+    """Agent sessions (tool loops), `concurrency` sessions in flight."""
+
+    sessions: list[agentic.AgentSession]
+    max_tokens: int
+
+    def run(self, url: str, model: str, concurrency: int) -> tuple[list, list[str], float]:
+        """All sessions' requests: their results, each session's transcript, wall seconds."""
+        body = {"model": model, "max_tokens": self.max_tokens, "temperature": 0}
+        return asyncio.run(agentic.run_sessions(url, body, self.sessions, concurrency))
+
+    def warm_up(self, url: str, model: str) -> None:
+        first = agentic.AgentSession("warm-up", self.sessions[0].tools, self.sessions[0].turns[:1])
+        body = {"model": model, "max_tokens": self.max_tokens, "temperature": 0}
+        asyncio.run(agentic.run_sessions(url, body, [first], 1, max_steps=1))
+
+
+WORKLOADS = ("copy", "chat", "short_chat", "agentic")
+
+
+def workloads(args) -> dict[str, Prompts | Sessions]:
+    """The workloads asked for, by name."""
     wanted = args.workloads.split(",")
-    unknown = set(wanted) - set(every)
+    unknown = set(wanted) - set(WORKLOADS)
     if unknown:
-        raise ValueError(f"unknown workloads {sorted(unknown)}; choose from {','.join(every)}")
-    return {name: every[name] for name in wanted}
+        raise ValueError(f"unknown workloads {sorted(unknown)}; choose from {','.join(WORKLOADS)}")
+    n = args.requests
+    every = {"copy": lambda: Prompts(copy_prompts(n), args.max_tokens),
+             "chat": lambda: Prompts(chat_prompts(n), args.max_tokens),
+             "short_chat": lambda: Prompts(short_chat_prompts(n), SHORT_CHAT_MAX_TOKENS),
+             "agentic": lambda: Sessions(agentic.load_sessions(n), AGENTIC_MAX_TOKENS)}
+    return {name: every[name]() for name in WORKLOADS if name in wanted}
 
 
 def chosen_arms(args) -> dict[str, Arm]:
@@ -140,14 +197,20 @@ def counters(lm, draft) -> dict:
     return out
 
 
-def measure(base_url: str, model: str, prompts: list[str], max_tokens: int, args, lm,
-            draft) -> dict:
-    bodies = [{"model": model, "messages": [{"role": "user", "content": p}],
-               "max_tokens": max_tokens, "temperature": 0} for p in prompts]
+def measure(base_url: str, model: str, workload: Prompts | Sessions, concurrency: int,
+            arm: Arm, lm, draft) -> dict:
+    """One round of one cell: the workload at `concurrency` on an engine whose prefix cache was
+    emptied (arms sharing an engine would reuse each other's prefills), after one warm-up
+    request, with the arm's drafter new (a suffix drafter would otherwise draft answers it saw
+    in an earlier cell or in the warm-up)."""
     url = f"{base_url}/v1/chat/completions"
-    asyncio.run(run_load(url, bodies[:1], 1))  # warm-up, not counted
+    if not lm.reset_prefix_cache.remote().result():
+        raise RuntimeError("the engine kept its prefix cache: a request was still running")
+    workload.warm_up(url, model)  # not counted
+    if arm.drafter is not None:
+        draft.set_drafter.remote(arm.drafter, arm.adaptive).result()
     before = counters(lm, draft)
-    results, wall = asyncio.run(run_load(url, bodies, args.concurrency))
+    results, texts, wall = workload.run(url, model, concurrency)
     after = counters(lm, draft)
     call_ms = after.pop("call_ms", None)
     before.pop("call_ms", None)
@@ -169,8 +232,17 @@ def measure(base_url: str, model: str, prompts: list[str], max_tokens: int, args
         "spec_counters": delta,
         # round trips of draft calls as the engine step waited (the active drafter's recent ones)
         "draft_call_ms": call_ms,
-        "texts": [r.text for r in results],  # in prompt order, compared across arms
+        "texts": texts,  # in prompt (agentic: session) order, compared across arms
     }
+
+
+def median_cell(rounds: list[dict]) -> dict:
+    """A cell's rounds as one: the round with the median tokens/s (the lower middle of an even
+    count), its tokens/s across rounds, and every round."""
+    ranked = sorted(rounds, key=lambda r: r["decode_tokens_per_s"])
+    return {**ranked[(len(ranked) - 1) // 2],
+            "decode_tokens_per_s_rounds": [r["decode_tokens_per_s"] for r in rounds],
+            "rounds": rounds}
 
 
 def run_engine(engine: str, arms: dict[str, Arm], args, tmp: Path) -> dict[str, dict]:
@@ -180,21 +252,25 @@ def run_engine(engine: str, arms: dict[str, Arm], args, tmp: Path) -> dict[str, 
     model = load_app_config(config_file).language_model.engine.model_name()
     cmd = [sys.executable, "-m", "moonserve.pipeline.app.cli", "serve", "--config", str(config_file),
            "--port", str(args.port), "--dashboard-port", str(args.port + 150)]
-    results = {}
+    loads = workloads(args)
+    rounds: dict[tuple[str, str, int], list[dict]] = {}
     with ServerProcess(cmd, f"http://127.0.0.1:{args.port}/health", tmp / f"{engine}.log",
                        start_timeout_s=600) as server:
         ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
         try:
             first = next(iter(arms.values()))
             lm, draft = handles(with_draft_service=first.drafter is not None)
-            for name, arm in arms.items():
-                if arm.drafter is not None:
-                    draft.set_drafter.remote(arm.drafter, arm.adaptive).result()
-                results[name] = {
-                    workload: measure(server.base_url, model, prompts, max_tokens, args, lm, draft)
-                    for workload, (prompts, max_tokens) in workloads(args).items()}
+            for _ in range(args.rounds):
+                for name, arm in arms.items():
+                    for workload, load in loads.items():
+                        for c in args.concurrency:
+                            rounds.setdefault((name, workload, c), []).append(
+                                measure(server.base_url, model, load, c, arm, lm, draft))
         finally:
             ray.shutdown()
+    results: dict[str, dict] = {}
+    for (name, workload, c), cell in rounds.items():
+        results.setdefault(name, {}).setdefault(workload, {})[f"c{c}"] = median_cell(cell)
     return results
 
 
@@ -222,6 +298,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         arms = chosen_arms(args)
         workloads(args)
+        if args.rounds < 1 or min(args.concurrency) < 1:
+            raise ValueError(f"--rounds ({args.rounds}) and --concurrency ({args.concurrency}) "
+                             "must be at least 1")
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2
@@ -244,36 +323,44 @@ def main(args: argparse.Namespace) -> int:
 
 
 def summarize(args, results: dict[str, dict]) -> dict:
+    """Each cell's tokens/s against `off`'s in the same cell, and whether every round's texts
+    equal `off`'s first round's."""
     base = results.get("off")
     for by_workload in results.values():
-        for name, r in by_workload.items():
-            if base is not None:
-                r["speedup_vs_off"] = r["decode_tokens_per_s"] / base[name]["decode_tokens_per_s"]
-                r["outputs_match_off"] = r["texts"] == base[name]["texts"]
+        for workload, by_c in by_workload.items():
+            for c, cell in by_c.items():
+                if base is None:
+                    continue
+                off = base[workload][c]
+                cell["speedup_vs_off"] = cell["decode_tokens_per_s"] / off["decode_tokens_per_s"]
+                texts = off["rounds"][0]["texts"]
+                cell["outputs_match_off"] = all(r["texts"] == texts for r in cell["rounds"])
     config = load_app_config(args.config).draft
     return {"benchmark": "speculative", "config": args.config, "requests": args.requests,
             "max_tokens": args.max_tokens, "short_chat_max_tokens": SHORT_CHAT_MAX_TOKENS,
-            "concurrency": args.concurrency,
+            "agentic_max_tokens": AGENTIC_MAX_TOKENS,
+            "concurrency": args.concurrency, "rounds": args.rounds,
             "num_speculative_tokens": args.num_speculative_tokens or config.num_speculative_tokens,
             "ngram": [config.ngram_min, config.ngram_max], "deadline_ms": config.deadline_ms,
             "prefetch": config.prefetch, "adaptive": dataclasses.asdict(config.adaptive),
-            "arms": results}
+            "suffix": dataclasses.asdict(config.suffix), "arms": results}
 
 
 def print_table(report: dict) -> None:
     def fmt(v, spec=".2f"):
         return "-" if v is None else format(v, spec)
 
-    print(f"{'arm':15} {'workload':8} {'tok/s':>7} {'vs off':>7} {'lat ms':>8} {'accept':>7} "
-          f"{'len':>5} {'prefetch':>8} {'call ms':>7} {'same':>5}")
+    print(f"{'arm':15} {'workload':10} {'c':>3} {'tok/s':>7} {'vs off':>7} {'lat ms':>8} "
+          f"{'accept':>7} {'len':>5} {'prefetch':>8} {'call ms':>7} {'same':>5}")
     for arm, by_workload in report["arms"].items():
-        for name, r in by_workload.items():
-            print(f"{arm:15} {name:8} {r['decode_tokens_per_s']:>7.1f} "
-                  f"{fmt(r.get('speedup_vs_off')):>7} {r['latency_ms_mean']:>8.0f} "
-                  f"{fmt(r['acceptance_rate']):>7} {fmt(r['mean_acceptance_length']):>5} "
-                  f"{fmt(r['prefetch_hit_rate']):>8} "
-                  f"{fmt((r['draft_call_ms'] or {}).get('call_ms_p50')):>7} "
-                  f"{r.get('outputs_match_off', '-')!s:>5}")
+        for name, by_c in by_workload.items():
+            for c, r in by_c.items():
+                print(f"{arm:15} {name:10} {c[1:]:>3} {r['decode_tokens_per_s']:>7.1f} "
+                      f"{fmt(r.get('speedup_vs_off')):>7} {r['latency_ms_mean']:>8.0f} "
+                      f"{fmt(r['acceptance_rate']):>7} {fmt(r['mean_acceptance_length']):>5} "
+                      f"{fmt(r['prefetch_hit_rate']):>8} "
+                      f"{fmt((r['draft_call_ms'] or {}).get('call_ms_p50')):>7} "
+                      f"{r.get('outputs_match_off', '-')!s:>5}")
 
 
 def print_hidden_steps(section: dict | None) -> None:

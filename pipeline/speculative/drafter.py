@@ -2,7 +2,7 @@
 
 A `Drafter` is stateless configuration (thresholds, weights); it opens one `DrafterState` per
 request, which owns that request's token context and any cache derived from it (the n-gram index
-now, the DSpark drafter's KV cache later). `DraftSessions` only ever calls the four members below,
+now, the DSpark drafter's KV cache later). `DraftSessions` only ever calls the five members below,
 so a new drafter needs nothing else.
 
 Example:
@@ -40,6 +40,23 @@ class DrafterState(Protocol):
         """Up to `num_speculative_tokens` draft ids to follow the context (may be empty)."""
         ...
 
+    def propose_after(self, assumed: Sequence[int], num_speculative_tokens: int) -> list[int]:
+        """`propose` for the context plus `assumed` (the service's prefetch: the drafts just
+        sent, as if accepted), leaving the context as it was."""
+        ...
+
+
+def propose_by_appending(state: DrafterState, assumed: Sequence[int],
+                         num_speculative_tokens: int) -> list[int]:
+    """`propose_after` for a state whose `truncate` of a short tail is cheap: append, propose,
+    truncate."""
+    num_tokens = len(state.token_ids)
+    state.append(assumed)
+    try:
+        return state.propose(num_speculative_tokens)
+    finally:
+        state.truncate(num_tokens)
+
 
 @runtime_checkable
 class Drafter(Protocol):
@@ -69,6 +86,9 @@ class NoDrafts:
         del self._token_ids[num_tokens:]
 
     def propose(self, num_speculative_tokens: int) -> list[int]:
+        return []
+
+    def propose_after(self, assumed: Sequence[int], num_speculative_tokens: int) -> list[int]:
         return []
 
 

@@ -35,6 +35,7 @@ from moonserve.pipeline.models.dspark import (
     save_model,
 )
 from moonserve.pipeline.models.weights import CONFIG_FILE, load_tensors
+from moonserve.pipeline.speculative.drafter import propose_by_appending
 
 
 def block_room(config: DSparkConfig, max_model_len: int | None, num_tokens: int, k: int) -> int:
@@ -69,6 +70,9 @@ class TokensAndCache:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         del self._token_ids[num_tokens:]
         self.cache.truncate(num_tokens)
+
+    def propose_after(self, assumed: Sequence[int], num_speculative_tokens: int) -> list[int]:
+        return propose_by_appending(self, assumed, num_speculative_tokens)
 
 
 class DSparkState(TokensAndCache):

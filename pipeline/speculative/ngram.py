@@ -38,6 +38,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from moonserve.pipeline.speculative.drafter import propose_by_appending
+
 # vLLM's prompt_lookup_min and prompt_lookup_max when neither is configured
 VLLM_DEFAULT_PROMPT_LOOKUP = 5
 
@@ -90,6 +92,9 @@ class NgramIndex:
             if end is not None and end <= num_tokens - 2:
                 return self._token_ids[end + 1 : end + 1 + k]
         return []
+
+    def propose_after(self, assumed: Sequence[int], num_speculative_tokens: int) -> list[int]:
+        return propose_by_appending(self, assumed, num_speculative_tokens)
 
     def _capped_k(self, k: int, num_tokens: int) -> int:
         if self.max_model_len is None:

@@ -43,7 +43,9 @@ class StepObservation:
 
 
 class DraftCore:
-    """The active drafter's sessions; `set_drafter` switches drafters (and drops all sessions)."""
+    """The active drafter's sessions; `set_drafter` switches drafters and starts the new one
+    afresh (no sessions, no cache of earlier requests). `drafters` are factories; one that loads
+    weights loads them once (`deployments.draft.drafter_factories`)."""
 
     def __init__(self, drafters: dict[str, Callable[[], Drafter]], active: str,
                  limits: SessionLimits | None = None, prefetch: bool = True,
@@ -52,7 +54,6 @@ class DraftCore:
         self.limits = limits or SessionLimits()
         self.adaptive = adaptive or AdaptivePolicy()
         self.prefetch_enabled = prefetch
-        self.loaded: dict[str, Drafter] = {}
         # Set: replies tell the proposer to wait this long from now on (None: its configured one).
         self.deadline_ms: float | None = None
         self.accepted: list[int] = []
@@ -61,14 +62,13 @@ class DraftCore:
         self.set_drafter(active)
 
     def set_drafter(self, name: str, adaptive: AdaptivePolicy | None = None) -> None:
-        """Switch to drafter `name` (and to `adaptive`, when given)."""
+        """Switch to a new drafter `name` (and to `adaptive`, when given)."""
         if name not in self.factories:
             raise ValueError(f"unknown drafter {name!r}; this service has {sorted(self.factories)}")
-        if name not in self.loaded:  # built on first use (a DSpark drafter loads weights)
-            self.loaded[name] = self.factories[name]()
+        drafter = self.factories[name]()  # a new one: no cache of earlier requests
         self.active = name
         self.adaptive = adaptive or self.adaptive
-        self.sessions = DraftSessions(self.loaded[name], self.limits, adaptive=self.adaptive,
+        self.sessions = DraftSessions(drafter, self.limits, adaptive=self.adaptive,
                                       on_verified=self.accepted.append)
 
     def step(self, message: dict) -> tuple[dict, StepObservation]:

@@ -315,11 +315,7 @@ class DraftSessions:
         if num_tokens != session.num_tokens or (
                 session.prefetched is not None and session.prefetched.num_tokens == num_tokens):
             return False
-        session.state.append(assumed)
-        try:
-            proposal = tuple(session.state.propose(k + 1))
-        finally:
-            session.state.truncate(num_tokens)
+        proposal = tuple(session.state.propose_after(assumed, k + 1))
         session.prefetched = Prefetch(num_tokens, tuple(assumed), proposal)
         self.stats.num_prefetches += 1
         return True

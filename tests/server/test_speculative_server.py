@@ -79,7 +79,7 @@ def without_speculation(server, client, conversations) -> list[str]:
     return texts
 
 
-@pytest.mark.parametrize("name", ["ngram", "dspark"])
+@pytest.mark.parametrize("name", ["ngram", "suffix", "dspark"])
 def test_greedy_output_with_each_drafter_equals_output_without(server, client, conversations,
                                                                without_speculation, name):
     with drafter(server, name):
@@ -89,6 +89,28 @@ def test_greedy_output_with_each_drafter_equals_output_without(server, client, c
     mismatched = [i for i, (a, b) in enumerate(zip(texts, without_speculation)) if a != b]
     assert not mismatched, [(i, texts[i], without_speculation[i]) for i in mismatched]
     assert accepted > 0, f"{name}: {drafted} draft tokens, none accepted: nothing was verified"
+
+
+def test_agent_session_with_the_suffix_drafter_equals_it_without(server):
+    """A BFCL multi-turn session as the speculation bench's `agentic` workload runs it (required
+    tool calls held to their schemas, tool replies, turns building on earlier turns): the same
+    transcript with the suffix drafter as without drafts, and its drafts were verified."""
+    import asyncio
+
+    from moonserve.pipeline.bench import agentic
+
+    session = agentic.load_sessions(1)
+    body = {"model": MODEL, "max_tokens": 256, "temperature": 0}
+    url = f"{server.base_url}/v1/chat/completions"
+    transcripts = {}
+    for name in ("none", "suffix"):
+        with drafter(server, name):
+            before = spec_counters(server)
+            results, transcripts[name], _ = asyncio.run(agentic.run_sessions(url, body, session, 1))
+            drafted, accepted = (a - b for a, b in zip(spec_counters(server), before))
+    assert transcripts["suffix"] == transcripts["none"]
+    assert sum(bool(r.tool_calls) for r in results) >= len(session[0].turns)
+    assert accepted > 0, f"suffix: {drafted} draft tokens, none accepted"
 
 
 # Two copies of a line, then its start: after " lantern" (probability 0.45 at temperature 1) the

@@ -38,15 +38,52 @@ def test_unknown_arm_is_refused_by_name():
 
 def test_short_chat_answers_are_32_tokens_whatever_max_tokens_says():
     loads = speculative.workloads(parse("--requests", "3", "--max-tokens", "200"))
-    assert {name: (len(prompts), max_tokens) for name, (prompts, max_tokens) in loads.items()} == \
+    assert {name: (len(w.prompts), w.max_tokens) for name, w in loads.items()} == \
         {"copy": (3, 200), "chat": (3, 200), "short_chat": (3, 32)}
-    assert all("\n" not in p for p in loads["short_chat"][0])
+    assert all("\n" not in p for p in loads["short_chat"].prompts)
 
 
 def test_workloads_can_be_chosen_and_unknown_ones_are_refused():
     assert list(speculative.workloads(parse("--workloads", "short_chat"))) == ["short_chat"]
     with pytest.raises(ValueError, match="long_chat"):
         speculative.workloads(parse("--workloads", "copy,long_chat"))
+
+
+def test_agentic_sessions_are_bfcl_multi_turn_conversations_with_the_tools_they_call():
+    from moonserve.pipeline.bench import agentic, bfcl
+
+    load = speculative.workloads(parse("--workloads", "agentic", "--requests", "5"))["agentic"]
+    assert [s.id for s in load.sessions] == [f"multi_turn_base_{i}" for i in range(5)]
+    answers = {a["id"]: a["ground_truth"] for a in bfcl.load_jsonl(
+        bfcl.data_dir() / "possible_answer" / "BFCL_v4_multi_turn_base.json")}
+    for session in load.sessions:
+        names = {t["function"]["name"] for t in session.tools}
+        assert names == agentic.called_functions(answers[session.id])
+        assert len(session.turns) == len(answers[session.id])
+        assert all(turn[0]["role"] == "user" for turn in session.turns)
+        for tool in session.tools:
+            assert tool["function"]["parameters"]["type"] == "object"
+            assert agentic.DESCRIPTION_MARK not in tool["function"]["description"]
+    assert agentic.called_functions([["cd(folder='a')", " mv (source='x', destination='y')"],
+                                     ["math.mean(numbers=[1])"]]) == {"cd", "mv", "math.mean"}
+
+
+def test_a_cell_is_its_median_round_and_keeps_every_round():
+    rounds = [{"decode_tokens_per_s": v, "texts": ["a"]} for v in (30.0, 10.0, 20.0, 40.0)]
+    cell = speculative.median_cell(rounds)
+    assert cell["decode_tokens_per_s"] == 20.0  # the lower middle of an even count
+    assert cell["decode_tokens_per_s_rounds"] == [30.0, 10.0, 20.0, 40.0]
+    assert cell["rounds"] is rounds
+    args = parse("--concurrency", "1", "4", "--rounds", "2")
+    off = {"copy": {"c1": speculative.median_cell(rounds[:3])}}
+    other = [{"decode_tokens_per_s": 40.0, "texts": ["a"]},
+             {"decode_tokens_per_s": 50.0, "texts": ["b"]}]
+    report = speculative.summarize(args, {"off": off,
+                                          "service_suffix": {"copy": {"c1": speculative.median_cell(
+                                              other)}}})
+    cell = report["arms"]["service_suffix"]["copy"]["c1"]
+    assert cell["speedup_vs_off"] == 2.0 and cell["outputs_match_off"] is False
+    assert report["concurrency"] == [1, 4] and report["rounds"] == 2
 
 
 def test_hidden_state_steps_carry_each_rows_hidden_states_through_a_step_server():

@@ -287,6 +287,10 @@ def test_serve_run_path_builds_the_app_from_the_yaml():
      "needs a target checkpoint that ships DSpark weights"),
     ({"draft": {"mode": "inline", "drafter": "dspark_context"}},
      "draft.drafter dspark_context is a DraftService drafter"),
+    ({"draft": {"mode": "inline", "drafter": "suffix"}},
+     "draft.drafter suffix is a DraftService drafter"),
+    ({"draft": {"mode": "service", "drafter": "suffix", "suffix": {"max_depth": 1}}},
+     "draft.suffix.max_depth"),
     ({"draft": {"mode": "service", "drafter": "dspark_context"}},
      "draft.model: drafter dspark_context needs a K3 DSpark checkpoint"),
     ({"draft": {"mode": "service", "drafter": "dspark_context", "model": "/m/k3-dspark"}},
@@ -384,6 +388,15 @@ def test_draft_modes_become_vllm_speculative_configs():
                                   "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     local = load_app_config(LOCAL_CONFIG).draft
     assert (local.mode, local.drafter) == ("service", "ngram")
+
+
+def test_vllms_in_engine_suffix_method_cannot_run_here():
+    """Why `drafter: suffix` is the DraftService's only: vLLM's own `suffix` method needs Arctic
+    Inference, which has no wheel for this machine."""
+    from vllm.config import SpeculativeConfig
+
+    with pytest.raises(ImportError, match="Arctic Inference is required"):
+        SpeculativeConfig(method="suffix", num_speculative_tokens=4)
 
 
 def doc_yaml_lines() -> list[str]:
