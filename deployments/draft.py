@@ -77,7 +77,7 @@ class DraftMetrics:
         names = ("moonserve_draft_step_seconds", "moonserve_draft_call_seconds",
                  "moonserve_draft_tokens", "moonserve_draft_accepted_tokens",
                  "moonserve_draft_prefetch", "moonserve_draft_fallbacks",
-                 "moonserve_draft_quiet_rows")
+                 "moonserve_draft_quiet_rows", "moonserve_draft_min_acceptance")
         self.m = {name: make_metric(name) for name in names}
 
     def proposer_stats(self, stats: dict) -> None:
@@ -102,6 +102,8 @@ class DraftMetrics:
                 self.m["moonserve_draft_prefetch"].inc(count, tags={**tags, "result": result})
         if o.num_resends:
             self.m["moonserve_draft_fallbacks"].inc(o.num_resends, tags={"reason": "resend"})
+        if o.min_acceptance is not None:
+            self.m["moonserve_draft_min_acceptance"].set(o.min_acceptance)
 
 
 class DraftService:

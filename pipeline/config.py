@@ -720,8 +720,8 @@ class DraftConfig(StrictModel):
         "Where draft tokens come from: `service` (the DraftService; configs/local.yaml), "
         "`inline` (vLLM's in-engine method; configs/mi355x-k3.1-pro.yaml) or `off`."))
     drafter: Literal["ngram", "suffix", "dspark", "dspark_context"] = Field("ngram", description=(
-        "What drafts: `ngram` prompt lookup (configs/local.yaml), `suffix` (suffix trees over "
-        "the request and recent responses; service only), the `dspark` model "
+        "What drafts: `ngram` prompt lookup, `suffix` (suffix trees over the request and recent "
+        "responses; service only; configs/local.yaml), the `dspark` model "
         "(configs/mi355x-k3.1-pro.yaml, inline) or `dspark_context` (service only)."))
     num_speculative_tokens: PositiveInt = Field(4, description=(
         "Draft tokens per request per engine step (with `adaptive`, the most)."))

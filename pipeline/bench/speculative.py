@@ -193,7 +193,8 @@ def counters(lm, draft) -> dict:
     if draft is not None:
         s = draft.stats.remote().result()
         out |= {"prefetch_hits": s["num_prefetch_hits"], "prefetch_misses": s["num_prefetch_misses"],
-                "call_ms": {k: v for k, v in s.items() if k.startswith("call_ms")} or None}
+                "call_ms": {k: v for k, v in s.items() if k.startswith("call_ms")} or None,
+                "min_acceptance": s["min_acceptance"]}
     return out
 
 
@@ -213,7 +214,9 @@ def measure(base_url: str, model: str, workload: Prompts | Sessions, concurrency
     results, texts, wall = workload.run(url, model, concurrency)
     after = counters(lm, draft)
     call_ms = after.pop("call_ms", None)
+    min_acceptance = after.pop("min_acceptance", None)
     before.pop("call_ms", None)
+    before.pop("min_acceptance", None)
     delta = {k: after[k] - before[k] for k in after}
     tokens = sum(r.completion_tokens for r in results)
     latencies = [r.e2e_s * 1000 for r in results]
@@ -232,6 +235,8 @@ def measure(base_url: str, model: str, workload: Prompts | Sessions, concurrency
         "spec_counters": delta,
         # round trips of draft calls as the engine step waited (the active drafter's recent ones)
         "draft_call_ms": call_ms,
+        # the acceptance threshold the engine's load set for the cell's last draft step
+        "min_acceptance_last": min_acceptance,
         "texts": texts,  # in prompt (agentic: session) order, compared across arms
     }
 

@@ -57,6 +57,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from moonserve.pipeline.speculative.adaptive import StepCost
 from moonserve.pipeline.speculative.endpoint import connect_step_socket
 from moonserve.pipeline.speculative.shards import REFRESH_S, shard_of
 from moonserve.pipeline.speculative.wire import (
@@ -552,6 +553,9 @@ class ServiceProposer:
         self.hidden_layers = tuple(int(i) for i in os.environ.get(ENV_HIDDEN_LAYERS, "")
                                    .split(",") if i.strip())
         self.hidden: HiddenStates | None = None
+        self.cost = StepCost()
+        self.clock = time.perf_counter
+        self.last_step: tuple[float, dict[str, int]] | None = None  # time, drafts per request
 
     def load_model(self, model=None, *args, **kwargs) -> None:
         """The drafter lives in the DraftService (vLLM requires the call). With
@@ -576,6 +580,7 @@ class ServiceProposer:
         hidden = self.hidden
         if hidden is not None:
             hidden.collect(req_ids, num_tokens_no_spec)
+        self._observe_step(req_ids, sampled_token_ids)
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         rows, slots, room = [], [], []
         for i, sampled in enumerate(sampled_token_ids):
@@ -605,9 +610,10 @@ class ServiceProposer:
         if hidden is not None:
             hidden.keep_only(live)
         if not rows and not release:
-            return drafts
+            return self._drafted(req_ids, drafts)
         reply = self.client.call(StepRequest(k=self.k, rows=rows, release=release,
-                                             hidden_dtype=hidden.dtype if hidden else "bfloat16"))
+                                             hidden_dtype=hidden.dtype if hidden else "bfloat16",
+                                             min_acceptance=self.cost.min_acceptance()))
         if reply is None or reply.error:
             # Not known whether the service applied these tokens: resend them next time.
             for row in rows:
@@ -626,4 +632,22 @@ class ServiceProposer:
                 self.sent[row.request_id] = resend
             else:  # its context cannot be rebuilt: no more drafts; released when it leaves
                 self.sent[row.request_id] = 0
+        return self._drafted(req_ids, drafts)
+
+    def _observe_step(self, req_ids, sampled_token_ids) -> None:
+        """The step that just ran, for the step-cost model (`StepCost`): when every request of
+        it was in the previous step too (a decode step: no prefill in it), the tokens it verified
+        (each request's drafts from the last call, plus one), the tokens it kept, and the time
+        since the last call (one engine loop)."""
+        now = self.clock()
+        if self.last_step is not None and sampled_token_ids and all(sampled_token_ids):
+            began, drafted = self.last_step
+            if all(r in drafted for r in req_ids):
+                self.cost.observe(sum(1 + drafted[r] for r in req_ids),
+                                  sum(len(t) for t in sampled_token_ids), now - began)
+        self.last_step = (now, {})
+
+    def _drafted(self, req_ids, drafts: list[list[int]]) -> list[list[int]]:
+        """Remember how many drafts each request gets this step (verified in the next one)."""
+        self.last_step[1].update(zip(req_ids, map(len, drafts)))
         return drafts

@@ -8,8 +8,13 @@ on a GPU a batch slot. So each request drafts only the tokens likely enough to b
   follows the request's text as it changes (a copied passage, then prose). The per-token acceptance
   estimate is p = (accepted + 1) / (accepted + rejected + 2) (Laplace's rule: 0.5 with no evidence).
 - The i-th draft of a proposal is accepted with probability about p**i (all drafts before it must
-  be). A request drafts k = the largest k <= num_speculative_tokens with p**k >= `min_acceptance`:
+  be). A request drafts k = the largest k <= num_speculative_tokens with p**k >= the threshold:
   each draft it sends is worth at least that many expected tokens.
+- The threshold comes from the engine's load (`StepCost`, in the proposer): a draft is worth
+  sending when its chance of acceptance beats what its verify slot costs, b * R (b: the seconds
+  one more verified token adds to a step, R: the tokens per second the engine makes), so it is
+  low for one request on a memory-bound step and passes 1 (nothing drafted) when verify tokens
+  are paid one by one. Until the proposer has fitted b, `min_acceptance` stands in.
 - When even one draft is not worth it (p < `min_acceptance`), the request drafts one token (a
   probe), then nothing for `pause_steps` steps; each probe that does not bring drafting back doubles
   the pause, up to `max_pause_steps`. A request that stops drafting thus costs the target nothing
@@ -51,7 +56,9 @@ class AdaptivePolicy:
     enabled: bool = Field(True, description=(
         "false: draft `num_speculative_tokens` for every request, every step."))
     min_acceptance: float = Field(0.3, gt=0, lt=1, description=(
-        "Draft a token only when the chance that the target accepts it is at least this."))
+        "Draft a token only when the chance that the target accepts it is at least this, until "
+        "the engine's step-cost model (the proposer's `StepCost`) has a threshold from the "
+        "engine's load; from then on that threshold."))
     decay: float = Field(0.8, gt=0, le=1, description=(
         "Weight the acceptance counts keep per verified proposal (lower: forget faster)."))
     pause_steps: PositiveInt = Field(8, description=(
@@ -81,11 +88,15 @@ class Acceptance:
         self.accepted = self.accepted * policy.decay + accepted
         self.rejected = self.rejected * policy.decay + (accepted < drafted)
 
-    def num_drafts(self, num_speculative_tokens: int, policy: AdaptivePolicy) -> int:
-        """How many tokens to draft this step (at most `num_speculative_tokens`)."""
+    def num_drafts(self, num_speculative_tokens: int, policy: AdaptivePolicy,
+                   min_acceptance: float | None = None) -> int:
+        """How many tokens to draft this step (at most `num_speculative_tokens`): those whose
+        chance of acceptance is at least `min_acceptance` (the engine's load makes it; None:
+        `policy.min_acceptance`)."""
         if not policy.enabled:
             return num_speculative_tokens
-        k = worth_drafting(self.p, policy.min_acceptance, num_speculative_tokens)
+        threshold = policy.min_acceptance if min_acceptance is None else min_acceptance
+        k = worth_drafting(self.p, threshold, num_speculative_tokens)
         if k > 0:
             self.pause_left, self.next_pause = 0, 0
             return k
@@ -102,6 +113,75 @@ class Acceptance:
         the next proposal is then the probe."""
         steps, self.pause_left = self.pause_left, 0
         return steps
+
+
+# The acceptance threshold a step-cost model may ask for is kept inside these bounds: below the
+# floor every draft up to k is sent anyway, above 1 none is (no draft is certain).
+MIN_ACCEPTANCE_FLOOR = 0.01
+
+
+@dataclass
+class StepCost:
+    """The engine's step time against the tokens it verifies, fitted online in the proposer: the
+    acceptance a draft needs to be worth its verify cost at the current load.
+
+    A step that verifies N tokens (each request's sampled token plus its drafts) takes about
+    T(N) = a + b * N. Drafting one more token, accepted with probability q, adds q expected tokens
+    and b seconds; it raises the engine's tokens per second R = tokens / T exactly when
+    q > b * R. So `min_acceptance()` = b * R: small while a step costs the same with or without a
+    few more tokens (a memory-bound decode, one request), large when verify tokens are paid for one
+    by one (a compute-bound batch), and past 1 no draft is worth sending.
+
+    `observe` takes decode steps only (every request of the step was decoding in the previous one
+    too, so no prefill hides in N); a, b and R are weighted least squares and means over them,
+    each step's weight `decay` times the next's. Until `min_samples` steps, and until N has
+    varied enough to tell b from a, there is no estimate (None).
+
+    Example:
+        >>> cost = StepCost()
+        >>> for n in [1, 2, 3, 4, 5] * 4:            # 20 ms + 2 ms per verified token
+        ...     cost.observe(verified=n, produced=2, seconds=0.020 + 0.002 * n)
+        >>> round(cost.marginal_s(), 6), round(cost.min_acceptance(), 3)
+        (0.002, 0.153)
+    """
+
+    decay: float = 0.98
+    min_samples: int = 16
+    min_spread: float = 0.25  # the weighted variance of N, in tokens squared, needed to fit b
+    _w: float = 0.0
+    _n: float = 0.0
+    _nn: float = 0.0
+    _t: float = 0.0
+    _nt: float = 0.0
+    _produced: float = 0.0
+    _b: float | None = None
+    samples: int = 0
+
+    def observe(self, verified: int, produced: int, seconds: float) -> None:
+        """One decode step: `verified` tokens in the forward pass, `produced` tokens kept."""
+        d = self.decay
+        self._w = self._w * d + 1.0
+        self._n = self._n * d + verified
+        self._nn = self._nn * d + verified * verified
+        self._t = self._t * d + seconds
+        self._nt = self._nt * d + verified * seconds
+        self._produced = self._produced * d + produced
+        self.samples += 1
+
+    def marginal_s(self) -> float | None:
+        """b: the seconds one more verified token adds to a step (None: not known yet). While
+        N stays too even to fit it (nothing drafted for a while), the last fit stands."""
+        spread = self._w * self._nn - self._n * self._n
+        if self.samples >= self.min_samples and spread >= self.min_spread * self._w * self._w:
+            self._b = max(0.0, (self._w * self._nt - self._n * self._t) / spread)
+        return self._b
+
+    def min_acceptance(self) -> float | None:
+        """b * R, at least `MIN_ACCEPTANCE_FLOOR` (None: not known yet)."""
+        b = self.marginal_s()
+        if b is None or self._t <= 0:
+            return None
+        return max(MIN_ACCEPTANCE_FLOOR, b * self._produced / self._t)
 
 
 def worth_drafting(p: float, min_acceptance: float, limit: int) -> int:

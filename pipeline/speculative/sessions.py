@@ -163,6 +163,8 @@ class DraftSessions:
     adaptive: AdaptivePolicy = field(default_factory=AdaptivePolicy)
     # Called with the number of a proposal's drafts the next call's tokens confirm.
     on_verified: Callable[[int], None] | None = None
+    # This step's acceptance threshold from the engine's load (None: `adaptive.min_acceptance`).
+    min_acceptance: float | None = None
     _sessions: OrderedDict[str, DraftSession] = field(
         default_factory=OrderedDict, init=False, repr=False
     )
@@ -286,7 +288,8 @@ class DraftSessions:
 
     def _depth(self, session: DraftSession, num_speculative_tokens: int) -> int:
         """How many tokens the session's acceptance makes worth drafting now (0: paused)."""
-        k = session.acceptance.num_drafts(num_speculative_tokens, self.adaptive)
+        k = session.acceptance.num_drafts(num_speculative_tokens, self.adaptive,
+                                          self.min_acceptance)
         if k == 0:
             session.prefetched = None
             self.stats.num_paused += 1

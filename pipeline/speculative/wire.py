@@ -60,6 +60,9 @@ class StepRequest(msgspec.Struct, kw_only=True):
     rows: list[Row]
     release: list[str] = []  # request ids that left the batch since the last step
     hidden_dtype: str = "bfloat16"  # of every row's `hidden` (a torch dtype name)
+    # The acceptance a draft needs to pay for its verify cost at the engine's current load (the
+    # proposer's `StepCost`); None: the service's configured `adaptive.min_acceptance`.
+    min_acceptance: float | None = None
     stats: StepStats = msgspec.field(default_factory=StepStats)
 
 

@@ -165,7 +165,7 @@ def test_killed_draft_service_costs_speculation_not_tokens(server):
 
     from moonserve.pipeline.bench.corpus import copy_prompts
     from tests.server.test_metrics import scrape
-    from tests.server.test_speculative_server import draft_handle, spec_counters
+    from tests.server.test_speculative_server import CONFIGURED, draft_handle, spec_counters
 
     body = {"model": MODEL, "messages": [{"role": "user", "content": copy_prompts(1, seed=9)[0]}],
             "max_tokens": 160, "ignore_eos": True, "temperature": 0}
@@ -173,7 +173,7 @@ def test_killed_draft_service_costs_speculation_not_tokens(server):
     handle.set_drafter.remote("none").result(timeout_s=60)
     reference = httpx.post(f"{server.base_url}/v1/chat/completions", json=body,
                            timeout=120).json()["choices"][0]["message"]["content"]
-    handle.set_drafter.remote("ngram").result(timeout_s=60)
+    handle.set_drafter.remote(CONFIGURED).result(timeout_s=60)
 
     progress = threading.Event()
     with ThreadPoolExecutor(1) as pool:

@@ -16,7 +16,8 @@ from contextlib import contextmanager
 import pytest
 
 from moonserve.pipeline.bench.corpus import chat_prompts, copy_prompts
-from tests.conftest import MODEL
+from moonserve.pipeline.config import load_app_config
+from tests.conftest import LOCAL_CONFIG, MODEL
 
 GREEDY_TOKENS = 32
 
@@ -26,6 +27,9 @@ def draft_handle(server):
 
     server.lm_handle()  # joins the server's Ray cluster
     return serve.get_deployment_handle("DraftService", app_name="moonserve")
+
+
+CONFIGURED = load_app_config(LOCAL_CONFIG).draft.drafter  # what the session server drafts with
 
 
 # The embedded DSpark drafter needs ~40 ms per block on this CPU, over the 25 ms configured:
@@ -41,7 +45,7 @@ def drafter(server, name: str):
     try:
         yield handle
     finally:
-        handle.set_drafter.remote("ngram").result(timeout_s=60)
+        handle.set_drafter.remote(CONFIGURED).result(timeout_s=60)
         handle.set_deadline.remote(None).result(timeout_s=60)
 
 

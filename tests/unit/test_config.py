@@ -387,7 +387,7 @@ def test_draft_modes_become_vllm_speculative_configs():
         .speculative_config() == {"method": "ngram", "num_speculative_tokens": 4,
                                   "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     local = load_app_config(LOCAL_CONFIG).draft
-    assert (local.mode, local.drafter) == ("service", "ngram")
+    assert (local.mode, local.drafter) == ("service", "suffix")
 
 
 def test_vllms_in_engine_suffix_method_cannot_run_here():

@@ -15,7 +15,7 @@ import msgspec
 import numpy as np
 
 from moonserve.pipeline.engine.proposer import ProposerStats, ServiceProposer
-from moonserve.pipeline.speculative.adaptive import AdaptivePolicy
+from moonserve.pipeline.speculative.adaptive import AdaptivePolicy, StepCost
 from moonserve.pipeline.speculative.ngram import NgramDrafter
 from moonserve.pipeline.speculative.service import DraftCore
 from moonserve.pipeline.speculative.wire import StepReply, StepRequest
@@ -31,10 +31,12 @@ class CoreClient:
         self.core = core
         self.calls = 0
         self.rows = 0
+        self.min_acceptance: list[float | None] = []  # as each request carried it
 
     def call(self, request: StepRequest) -> StepReply:
         self.calls += 1
         self.rows += len(request.rows)
+        self.min_acceptance.append(request.min_acceptance)
         message = msgspec.msgpack.decode(msgspec.msgpack.encode(request))
         reply, _ = self.core.step(message)
         return msgspec.msgpack.decode(msgspec.msgpack.encode(reply), type=StepReply)
@@ -48,17 +50,25 @@ def proposer(client: CoreClient, req_ids: list[str]) -> ServiceProposer:
     out.runner = SimpleNamespace(input_batch=batch)
     out.stats, out.client = ProposerStats(), client
     out.sent, out.quiet, out.hidden_layers, out.hidden = {}, {}, (), None
+    # A clock that stands still: no step-cost estimate unless a test moves it.
+    out.cost, out.clock, out.last_step = StepCost(), lambda: 0.0, None
     return out
 
 
-def decode(texts: dict[str, list[int]], prompt_len: int, policy: AdaptivePolicy) -> dict:
+def decode(texts: dict[str, list[int]], prompt_len: int, policy: AdaptivePolicy,
+           step_seconds=None) -> dict:
     """Decode every text at once (one batch row each) to its end; the service's sessions and
-    the number of steps, calls and accepted drafts."""
+    the number of steps, calls, accepted drafts and draft tokens. With `step_seconds(n)`, the
+    proposer's clock advances by that for a step verifying n tokens."""
     core = DraftCore({"ngram": lambda: NgramDrafter(min_n=2, max_n=4)}, "ngram",
                      prefetch=False, adaptive=policy)
     client = CoreClient(core)
     ids = list(texts)
     prop = proposer(client, ids)
+    now = [0.0]
+    if step_seconds is not None:
+        prop.clock = lambda: now[0]
+    drafted = 0
     tokens = np.zeros((len(ids), MAX_LEN), dtype=np.int64)
     lengths = [prompt_len] * len(ids)
     drafts = [[] for _ in ids]
@@ -82,11 +92,16 @@ def decode(texts: dict[str, list[int]], prompt_len: int, policy: AdaptivePolicy)
             tail_accepted[r] += kept if n >= len(truth) - 150 else 0
             sampled.append(new)
         steps += 1
+        if step_seconds is not None:
+            now[0] += step_seconds(sum(1 + len(d) for d, t in zip(drafts, sampled) if t))
         drafts = prop._propose(sampled, np.array(lengths), tokens)
+        drafted += sum(map(len, drafts))
     prop.runner.input_batch.req_ids = []  # every request left: released at the next step
     prop._propose([], np.array([]), tokens)
     return {"steps": steps, "calls": client.calls, "rows": client.rows, "accepted": accepted,
-            "tail_accepted": tail_accepted, "core": core, "quiet": prop.stats.quiet}
+            "tail_accepted": tail_accepted, "core": core, "quiet": prop.stats.quiet,
+            "drafted": drafted, "min_acceptance": client.min_acceptance, "wall_s": now[0],
+            "cost": prop.cost}
 
 
 def noise_then_copy(rng: random.Random) -> list[int]:
@@ -159,3 +174,37 @@ def test_a_step_without_drafts_samples_with_the_plain_sampler():
     runner.input_batch.generators[1] = torch.Generator()
     runner._sample(logits, none_drafted)
     assert seen[-1] is none_drafted
+
+
+def copyable(rng: random.Random, n: int = 400) -> list[int]:
+    """Text a prompt-lookup drafter half predicts: blocks of 8 tokens, each a repeat of an
+    earlier block or new noise, at random."""
+    blocks = [[rng.randrange(1000) for _ in range(8)]]
+    while sum(map(len, blocks)) < n:
+        blocks.append(rng.choice(blocks) if rng.random() < 0.6 else
+                      [rng.randrange(1000) for _ in range(8)])
+    return [t for b in blocks for t in b]
+
+
+def test_the_threshold_follows_the_engines_step_cost():
+    """The proposer fits its step times (a + b * verified tokens) and sends b * tokens/s as the
+    acceptance a draft needs: with verify tokens nearly free, at least the drafts the fixed 0.3
+    allows; with each verify token as dear as a step, hardly any (probes)."""
+    rng = random.Random(3)
+    texts = {f"r{i}": copyable(rng) for i in range(4)}
+    fixed = decode(texts, 20, AdaptivePolicy())
+    cheap = decode(texts, 20, AdaptivePolicy(), step_seconds=lambda n: 0.050 + 0.0005 * n)
+    dear = decode(texts, 20, AdaptivePolicy(), step_seconds=lambda n: 0.001 + 0.050 * n)
+    assert fixed["min_acceptance"] == [None] * fixed["calls"]  # no clock: no estimate
+    for run, b in ((cheap, 0.0005), (dear, 0.050)):
+        assert abs(run["cost"].marginal_s() - b) < 1e-9  # the steps' own slope, fitted
+        sent = [m for m in run["min_acceptance"] if m is not None]
+        assert len(sent) >= 10
+        produced = sum(len(t) for t in texts.values()) - 20 * len(texts)
+        rate = produced / run["wall_s"]  # tokens/s over the whole decode
+        assert 0.5 * b * rate < sent[-1] < 4 * b * rate, (sent[-1], b * rate)
+    assert max(m for m in cheap["min_acceptance"] if m is not None) < 0.3
+    assert dear["min_acceptance"][-1] > 0.9  # a step is mostly its verify tokens' cost
+    assert cheap["drafted"] >= fixed["drafted"] and cheap["steps"] <= fixed["steps"]
+    assert dear["drafted"] < 0.2 * fixed["drafted"]
+    assert dear["steps"] > cheap["steps"]

@@ -93,6 +93,36 @@ def test_release_and_switching_drafters_drop_sessions():
         c.set_drafter("nope")
 
 
+def test_switching_to_the_suffix_drafter_again_forgets_earlier_responses():
+    from moonserve.pipeline.speculative.suffix import SuffixDrafter
+
+    c = DraftCore({"suffix": SuffixDrafter}, "suffix", adaptive=FIXED_K)
+    response = [40, 41, 42, 43, 44]
+    step(c, [["a", 0, [1, 2]]])
+    step(c, [["a", 2, response]])
+    assert step(c, [["b", 0, [9, 40, 41, 42]]])[0]["drafts"] == [[43, 44]]  # a's response
+    c.set_drafter("suffix")
+    assert step(c, [["c", 0, [9, 40, 41, 42]]])[0]["drafts"] == [[]]
+
+
+def test_the_step_threshold_from_the_engines_load_sets_each_requests_depth():
+    """With no evidence a request's p is 0.5: the configured 0.3 allows one draft; the engine's
+    0.1 allows three (0.5 ** 3 >= 0.1); past 1 only a probe goes out, then a pause that the
+    proposer is handed."""
+    c = DraftCore({"ngram": lambda: NgramDrafter(min_n=1, max_n=1)}, "ngram", prefetch=False)
+    rows = [["a", 0, [5, 6, 7, 8, 9, 5]]]
+    assert step(c, rows)[0]["drafts"] == [[6]]
+    for threshold, expected in ((0.1, [[6, 7, 8]]), (1.5, [[6]])):
+        c.set_drafter("ngram")  # a new session: no evidence again
+        reply, obs = c.step({"seq": 2, "k": 4, "rows": rows, "release": [],
+                             "min_acceptance": threshold})
+        assert reply["drafts"] == expected and obs.min_acceptance == threshold
+    assert c.summary()["min_acceptance"] == 1.5
+    reply, _ = c.step({"seq": 3, "k": 4, "rows": [["a", 6, [6]]], "release": [],
+                       "min_acceptance": 1.5})
+    assert reply["drafts"] == [[]] and reply["quiet"] == [7]  # the probe's 8 steps, this one first
+
+
 def test_step_request_keeps_its_wire_format_and_rejects_a_bad_one():
     request = StepRequest(seq=4, k=3, rows=[Row("a", 0, COPY)], release=["b"])
     payload = msgspec.msgpack.encode(request)
@@ -100,7 +130,7 @@ def test_step_request_keeps_its_wire_format_and_rejects_a_bad_one():
     assert msgspec.msgpack.decode(payload) == {
         "seq": 4, "k": 3, "rows": [["a", 0, COPY, -1, b""]], "release": ["b"],
         "stats": {"calls": 0, "skipped": 0, "missed": 0, "rtt_s": [], "quiet": 0},
-        "hidden_dtype": "bfloat16"}
+        "hidden_dtype": "bfloat16", "min_acceptance": None}
     decoded = msgspec.msgpack.decode(payload, type=StepRequest)
     assert decoded == request
     assert msgspec.to_builtins(decoded, builtin_types=(bytes,))["rows"] == [["a", 0, COPY, -1, b""]]
