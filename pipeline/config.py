@@ -778,11 +778,11 @@ class DraftConfig(StrictModel):
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"draft.ngram_min ({self.ngram_min}) is over draft.ngram_max "
                              f"({self.ngram_max})")
-        if self.drafter == "suffix" and self.mode != "service":
+        if self.drafter == "suffix" and self.mode == "inline":
             raise ValueError("draft.drafter suffix is a DraftService drafter: set draft.mode to "
                              "service (vLLM's in-engine suffix method needs Arctic Inference, "
                              "which moonserve does not install)")
-        if self.drafter == "dspark_context" and self.mode != "service":
+        if self.drafter == "dspark_context" and self.mode == "inline":
             raise ValueError("draft.drafter dspark_context is a DraftService drafter: set "
                              "draft.mode to service (inline, vLLM's own dspark reads the hidden "
                              "states in the engine)")
