@@ -33,14 +33,17 @@ CONFIGURED = load_app_config(LOCAL_CONFIG).draft.drafter  # what the session ser
 
 
 # The embedded DSpark drafter needs ~40 ms per block on this CPU, over the 25 ms configured:
-# give it time, so its drafts reach the engine and get verified.
+# give it time, so its drafts reach the engine and get verified. It is untrained, so its drafts
+# are rarely accepted, and adaptive depth (its threshold from the engine's step cost, which here
+# includes those 40 ms) would leave it probing: k drafts every step instead.
 DEADLINE_MS = {"dspark": 1000.0}
+ADAPTIVE = {"dspark": False}
 
 
 @contextmanager
 def drafter(server, name: str):
     handle = draft_handle(server)
-    handle.set_drafter.remote(name).result(timeout_s=60)
+    handle.set_drafter.remote(name, ADAPTIVE.get(name)).result(timeout_s=60)
     handle.set_deadline.remote(DEADLINE_MS.get(name)).result(timeout_s=60)
     try:
         yield handle
