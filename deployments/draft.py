@@ -102,8 +102,7 @@ class DraftMetrics:
                 self.m["moonserve_draft_prefetch"].inc(count, tags={**tags, "result": result})
         if o.num_resends:
             self.m["moonserve_draft_fallbacks"].inc(o.num_resends, tags={"reason": "resend"})
-        if o.min_acceptance is not None:
-            self.m["moonserve_draft_min_acceptance"].set(o.min_acceptance)
+        self.m["moonserve_draft_min_acceptance"].set(o.min_acceptance)
 
 
 class DraftService:

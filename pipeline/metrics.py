@@ -80,8 +80,9 @@ METRICS: dict[str, MetricSpec] = {
         "past the deadline | skipped = a call still pending or no connection | error = the "
         "service call failed | resend = context lost by the service).", ("reason",)),
     "moonserve_draft_min_acceptance": MetricSpec(
-        "gauge", "The acceptance a draft needs to pay for its verify cost at the engine's load "
-        "(the proposer's step-cost model, b x tokens/s); past 1 nothing is drafted.", ()),
+        "gauge", "The acceptance a draft needs at the last step: what pays for its verify cost at "
+        "the engine's load (the proposer's step-cost model, b x tokens/s), or "
+        "draft.adaptive.min_acceptance until the model has it; past 1 nothing is drafted.", ()),
     "moonserve_draft_quiet_rows": MetricSpec(
         "counter", "Engine step rows the proposer left out of its DraftService calls: their "
         "request was in an adaptive pause (drafting nothing), so no round trip for it.", ()),

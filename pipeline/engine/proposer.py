@@ -19,6 +19,10 @@ named by `MOONSERVE_DRAFT_SOCKET`; `moonserve.pipeline.speculative.endpoint`);
   (the service's adaptive pause, `moonserve.pipeline.speculative.adaptive`). The request is left
   out of that many steps, its tokens wait for its next row, and a step with nothing to send makes
   no call: a request the drafter cannot help costs no round trip.
+- Step cost: each decode step's time (call to call) against the tokens it verified feeds
+  `StepCost`, and each message carries the acceptance a draft needs at this load
+  (`StepRequest.min_acceptance`, b x tokens/s), by which the service sets each request's depth.
+  The call's own round trip is part of the step's time, so a slow drafter raises it too.
 - Deadline: the reply must come within `MOONSERVE_DRAFT_DEADLINE_MS` (or the deadline the service
   last sent, see `DraftService.set_deadline`), else the step drafts nothing.
   At most one call is in flight: while a late reply is outstanding (or the service is unreachable,

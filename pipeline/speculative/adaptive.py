@@ -15,7 +15,7 @@ on a GPU a batch slot. So each request drafts only the tokens likely enough to b
   one more verified token adds to a step, R: the tokens per second the engine makes), so it is
   low for one request on a memory-bound step and passes 1 (nothing drafted) when verify tokens
   are paid one by one. Until the proposer has fitted b, `min_acceptance` stands in.
-- When even one draft is not worth it (p < `min_acceptance`), the request drafts one token (a
+- When even one draft is not worth it (p under the threshold), the request drafts one token (a
   probe), then nothing for `pause_steps` steps; each probe that does not bring drafting back doubles
   the pause, up to `max_pause_steps`. A request that stops drafting thus costs the target nothing
   but a one-token probe now and then, and picks drafting up again when its text turns copyable.
@@ -115,8 +115,8 @@ class Acceptance:
         return steps
 
 
-# The acceptance threshold a step-cost model may ask for is kept inside these bounds: below the
-# floor every draft up to k is sent anyway, above 1 none is (no draft is certain).
+# The least threshold a step-cost model asks for: under it every draft up to k would be sent
+# anyway (and a zero threshold has no logarithm). Past 1 nothing is drafted (no draft is certain).
 MIN_ACCEPTANCE_FLOOR = 0.01
 
 

@@ -40,7 +40,7 @@ class StepObservation:
     num_resends: int = 0
     prefetch_hits: int = 0
     prefetch_misses: int = 0
-    min_acceptance: float | None = None  # the step's threshold from the engine's load
+    min_acceptance: float = 0.0  # the step's threshold (the engine's load, else the configured)
 
 
 class DraftCore:
@@ -80,7 +80,7 @@ class DraftCore:
             sessions.release(request_id)
         k = int(message["k"])
         sessions.min_acceptance = message.get("min_acceptance")
-        observation = StepObservation(self.active, 0.0, min_acceptance=sessions.min_acceptance)
+        observation = StepObservation(self.active, 0.0, min_acceptance=sessions.threshold)
         self.to_prefetch = []
         drafts, resend_from, quiet = self._draft_rows(message, k)
         for request_id, row, resend in zip((r[0] for r in message["rows"]), drafts, resend_from,
@@ -170,7 +170,7 @@ class DraftCore:
 
     def summary(self) -> dict:
         s = self.sessions.stats
-        return {"drafter": self.active, "min_acceptance": self.sessions.min_acceptance,
+        return {"drafter": self.active, "min_acceptance": self.sessions.threshold,
                 "num_sessions": self.sessions.num_sessions,
                 "num_total_tokens": self.sessions.num_total_tokens,
                 "num_context_rows": self.num_context_rows, **vars(s)}

@@ -181,6 +181,12 @@ class DraftSessions:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._sessions
 
+    @property
+    def threshold(self) -> float:
+        """The acceptance a draft needs this step: the engine's, else `adaptive.min_acceptance`."""
+        return self.adaptive.min_acceptance if self.min_acceptance is None else \
+            self.min_acceptance
+
     def num_tokens(self, request_id: str) -> int:
         """Tokens held for `request_id`; 0 when it has no session."""
         session = self._sessions.get(request_id)
@@ -288,8 +294,7 @@ class DraftSessions:
 
     def _depth(self, session: DraftSession, num_speculative_tokens: int) -> int:
         """How many tokens the session's acceptance makes worth drafting now (0: paused)."""
-        k = session.acceptance.num_drafts(num_speculative_tokens, self.adaptive,
-                                          self.min_acceptance)
+        k = session.acceptance.num_drafts(num_speculative_tokens, self.adaptive, self.threshold)
         if k == 0:
             session.prefetched = None
             self.stats.num_paused += 1

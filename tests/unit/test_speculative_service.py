@@ -111,7 +111,8 @@ def test_the_step_threshold_from_the_engines_load_sets_each_requests_depth():
     proposer is handed."""
     c = DraftCore({"ngram": lambda: NgramDrafter(min_n=1, max_n=1)}, "ngram", prefetch=False)
     rows = [["a", 0, [5, 6, 7, 8, 9, 5]]]
-    assert step(c, rows)[0]["drafts"] == [[6]]
+    reply, obs = step(c, rows)
+    assert reply["drafts"] == [[6]] and obs.min_acceptance == 0.3
     for threshold, expected in ((0.1, [[6, 7, 8]]), (1.5, [[6]])):
         c.set_drafter("ngram")  # a new session: no evidence again
         reply, obs = c.step({"seq": 2, "k": 4, "rows": rows, "release": [],
