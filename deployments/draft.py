@@ -38,9 +38,8 @@ EVICT_INTERVAL_S = 5.0
 def drafter_factories(config: DraftConfig, draft_model_path: str, target_path: str) -> dict:
     """Drafter factories by name, called at each `set_drafter`: `ngram`, `suffix`, `dspark`
     (weights at `draft_model_path`, embedding and LM head shared from the target checkpoint at
-    `target_path`),
-    `none` (no drafts: speculation paused) and, when it is the configured drafter,
-    `dspark_context` (K3 DSpark over the target's hidden states, same weights path)."""
+    `target_path`), `none` (no drafts: speculation paused) and, when it is the configured
+    drafter, `dspark_context` (K3 DSpark over the target's hidden states, same weights path)."""
     def device() -> str:
         import torch
 

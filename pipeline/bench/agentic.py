@@ -27,16 +27,14 @@ Example:
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
-import time
 from dataclasses import dataclass
 
 import aiohttp
 
 from moonserve.pipeline.bench import bfcl
-from moonserve.pipeline.bench.client import RequestResult, stream_chat
+from moonserve.pipeline.bench.client import RequestResult, in_pool, stream_chat
 
 # bfcl_eval/constants/executable_backend_config.py: MULTI_TURN_FUNC_DOC_FILE_MAPPING
 FUNC_DOC_FILES = {
@@ -113,20 +111,9 @@ async def run_sessions(url: str, body: dict, sessions: list[AgentSession], concu
     """Every session with at most `concurrency` in flight. Returns all requests' results, each
     session's transcript (its assistant turns as JSON, in session order) and wall seconds.
     `body` holds the model and sampling fields of every request."""
-    queue: asyncio.Queue = asyncio.Queue()
-    for item in enumerate(sessions):
-        queue.put_nowait(item)
-    outcomes: list[tuple[list[RequestResult], list[dict]] | None] = [None] * len(sessions)
-
-    async def worker(http):
-        while not queue.empty():
-            index, session = queue.get_nowait()
-            outcomes[index] = await run_session(http, url, body, session, max_steps)
-
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as http:
-        began = time.perf_counter()
-        await asyncio.gather(*(worker(http) for _ in range(concurrency)))
-        wall = time.perf_counter() - began
+    outcomes, wall = await in_pool(
+        sessions, concurrency, lambda http, session: run_session(http, url, body, session,
+                                                                 max_steps), timeout_s=1800)
     results = [r for rs, _ in outcomes for r in rs]
     transcripts = [json.dumps([m for m in messages if m["role"] == "assistant"])
                    for _, messages in outcomes]

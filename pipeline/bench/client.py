@@ -67,20 +67,27 @@ async def stream_chat(session: aiohttp.ClientSession, url: str, body: dict) -> R
 async def run_load(url: str, bodies: list[dict], concurrency: int) -> tuple[list[RequestResult], float]:
     """Send every body with at most `concurrency` in flight; returns results (in the order of
     `bodies`) and wall seconds."""
+    return await in_pool(bodies, concurrency, lambda http, body: stream_chat(http, url, body),
+                         timeout_s=600)
+
+
+async def in_pool(items: list, concurrency: int, work, timeout_s: float) -> tuple[list, float]:
+    """`await work(http, item)` for every item, at most `concurrency` at a time over one aiohttp
+    session (`timeout_s` for each request); returns the results in the order of `items`, and
+    wall seconds."""
     queue: asyncio.Queue = asyncio.Queue()
-    for item in enumerate(bodies):
+    for item in enumerate(items):
         queue.put_nowait(item)
-    results: list[RequestResult | None] = [None] * len(bodies)
+    results: list = [None] * len(items)
 
-    async def worker(session):
+    async def worker(http):
         while not queue.empty():
-            index, body = queue.get_nowait()
-            results[index] = await stream_chat(session, url, body)
+            index, item = queue.get_nowait()
+            results[index] = await work(http, item)
 
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
         began = time.perf_counter()
-        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+        await asyncio.gather(*(worker(http) for _ in range(concurrency)))
         return results, time.perf_counter() - began
 
 

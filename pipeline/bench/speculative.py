@@ -5,9 +5,10 @@ Arms: `off` (no speculation); `vllm_ngram` (vLLM's in-engine prompt lookup, `dra
 `draft.mode: service`, with `draft.adaptive` as configured), `service_ngram_fixed` (the same with
 adaptive drafting off: k drafts every step), `service_suffix` (the DraftService's suffix
 drafter), `service_dspark` and `service_none` (the service path drafting nothing: the cost of the
-path by itself); one engine for the service arms, switched with `DraftService.set_drafter`. Every arm uses the same n-gram sizes and greedy
-requests, so all arms must produce identical text (`outputs_match_off`); all but `vllm_ngram_kK`
-draft at most `num_speculative_tokens` (the config's, or `--num-speculative-tokens`).
+path by itself); one engine for the service arms, switched with `DraftService.set_drafter`.
+Every arm uses the same n-gram sizes and greedy requests, so all arms must produce identical text
+(`outputs_match_off`); all but `vllm_ngram_kK` draft at most `num_speculative_tokens` (the
+config's, or `--num-speculative-tokens`).
 
 Workloads: `copy` (rewrite/extract tasks whose answers copy from the prompt) and `chat` (plain
 questions), both `--max-tokens` long; `short_chat` (one-line questions, 32-token answers); and
@@ -130,13 +131,15 @@ class Sessions:
 
     def run(self, url: str, model: str, concurrency: int) -> tuple[list, list[str], float]:
         """All sessions' requests: their results, each session's transcript, wall seconds."""
-        body = {"model": model, "max_tokens": self.max_tokens, "temperature": 0}
-        return asyncio.run(agentic.run_sessions(url, body, self.sessions, concurrency))
+        return asyncio.run(agentic.run_sessions(url, self.body(model), self.sessions,
+                                                concurrency))
 
     def warm_up(self, url: str, model: str) -> None:
         first = agentic.AgentSession("warm-up", self.sessions[0].tools, self.sessions[0].turns[:1])
-        body = {"model": model, "max_tokens": self.max_tokens, "temperature": 0}
-        asyncio.run(agentic.run_sessions(url, body, [first], 1, max_steps=1))
+        asyncio.run(agentic.run_sessions(url, self.body(model), [first], 1, max_steps=1))
+
+    def body(self, model: str) -> dict:
+        return {"model": model, "max_tokens": self.max_tokens, "temperature": 0}
 
 
 WORKLOADS = ("copy", "chat", "short_chat", "agentic")
@@ -330,11 +333,11 @@ def main(args: argparse.Namespace) -> int:
 def summarize(args, results: dict[str, dict]) -> dict:
     """Each cell's tokens/s against `off`'s in the same cell, and whether every round's texts
     equal `off`'s first round's."""
-    base = results.get("off")
+    base = results.get("off") or {}
     for by_workload in results.values():
         for workload, by_c in by_workload.items():
             for c, cell in by_c.items():
-                if base is None:
+                if workload not in base:
                     continue
                 off = base[workload][c]
                 cell["speedup_vs_off"] = cell["decode_tokens_per_s"] / off["decode_tokens_per_s"]

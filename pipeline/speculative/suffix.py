@@ -105,9 +105,6 @@ class SuffixTree:
         self.seqs: dict[int, list[int]] = {}
         self._open: dict[int, list[_Node]] = {}  # per sequence, the nodes its open suffixes end at
 
-    def __contains__(self, seq: int) -> bool:
-        return seq in self.seqs
-
     def extend(self, seq: int, token_ids: Sequence[int]) -> None:
         """Append `token_ids` to sequence `seq` (a new one when unseen)."""
         tokens = self.seqs.setdefault(seq, [])
@@ -257,8 +254,8 @@ class SuffixState:
 
     def __init__(self, drafter: SuffixDrafter):
         self.drafter = drafter
-        self._token_ids: list[int] = []
-        self.local = SuffixTree(drafter.settings.max_depth)
+        self.local = SuffixTree(drafter.settings.max_depth)  # the context is its sequence 0
+        self.local.seqs[0] = []
         self.prompt_len: int | None = None
         self._cached: tuple[SuffixTree | None, int] = (None, -1)
         # False without a cache of responses, or once the response was truncated
@@ -266,32 +263,31 @@ class SuffixState:
 
     @property
     def token_ids(self) -> Sequence[int]:
-        return self._token_ids
+        return self.local.seqs[0]
 
     def append(self, token_ids: Sequence[int]) -> None:
-        start = len(self._token_ids)
-        self._token_ids.extend(int(t) for t in token_ids)
-        self.local.extend(0, self._token_ids[start:])
+        context = self.local.seqs[0]
+        start = len(context)
+        self.local.extend(0, token_ids)
         if self.prompt_len is None:
-            self.prompt_len = len(self._token_ids)
+            self.prompt_len = len(context)
         elif self._caching:
             tree, seq = self._cached
             if not self.drafter.holds(tree):
-                tree, seq = self._cached = self.drafter.new_place(
-                    self._token_ids[self.prompt_len:start])
-            tree.extend(seq, self._token_ids[start:])
+                tree, seq = self._cached = self.drafter.new_place(context[self.prompt_len:start])
+            tree.extend(seq, context[start:])
 
     def truncate(self, num_tokens: int) -> None:
         """Rebuilds the request's tree (a resend from the proposer, rare; the prefetch uses
         `propose_after`), and stops caching its response, whose cached copy stays as it was."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        if num_tokens >= len(self._token_ids):
+        kept = self.local.seqs[0][:num_tokens]
+        if len(kept) == len(self.local.seqs[0]):
             return
-        del self._token_ids[num_tokens:]
         self.local = SuffixTree(self.drafter.settings.max_depth)
-        self.local.extend(0, self._token_ids)
-        self.prompt_len = min(self.prompt_len, num_tokens)
+        self.local.seqs[0] = []
+        self.local.extend(0, kept)
         self._caching = False
 
     def propose(self, num_speculative_tokens: int) -> list[int]:
@@ -301,7 +297,7 @@ class SuffixState:
         """The best draft of the request's tree and the recent responses' trees, for the
         context's last `max_depth` tokens followed by `assumed`."""
         s = self.drafter.settings
-        pattern = [*self._token_ids[-s.max_depth:], *assumed]
+        pattern = [*self.local.seqs[0][-s.max_depth:], *assumed]
         best: tuple[list[int], float] = ([], 0.0)
         for tree in (self.local, *self.drafter.response_trees()):
             draft = tree.speculate(pattern, num_speculative_tokens, s.max_spec_factor,
