@@ -29,6 +29,30 @@ def test_engine_serve_and_model_classes_import():
     assert result.returncode == 0, result.stderr[-2000:]
 
 
+def test_the_install_compiled_the_engines_modules_to_bytecode():
+    """pyproject.toml's `[tool.uv] compile-bytecode`: every Ray worker, Serve replica and engine
+    process imports vLLM, Ray, torch and transformers, and where nothing may write `__pycache__`
+    (PYTHONDONTWRITEBYTECODE, a read-only image) each would compile them again; the install leaves
+    a current `.pyc` beside each source (docs/install.md has the import time either way)."""
+    stale = []
+    for name in ("vllm.engine.arg_utils", "vllm.v1.engine.core", "ray.serve.api",
+                 "torch.nn.modules.module", "transformers.modeling_utils"):
+        source = Path(importlib.util.find_spec(name).origin)
+        cached = Path(importlib.util.cache_from_source(str(source)))
+        if not cached.exists():
+            stale.append(f"{name}: no {cached.name}")
+            continue
+        header = cached.read_bytes()[:16]
+        flags = int.from_bytes(header[4:8], "little")
+        stat = source.stat()
+        current = header[:4] == importlib.util.MAGIC_NUMBER and (
+            flags != 0 or (int.from_bytes(header[8:12], "little") == int(stat.st_mtime) & 0xFFFFFFFF
+                           and int.from_bytes(header[12:16], "little") == stat.st_size & 0xFFFFFFFF))
+        if not current:
+            stale.append(f"{name}: {cached.name} does not match its source")
+    assert not stale, f"the install left modules uncompiled: {stale}"
+
+
 def test_broken_torchvision_is_not_installed():
     """PyPI's torchvision/torchaudio/torchcodec fail beside torch 2.13.0+cpu and break
     transformers' model imports; setup leaves them out, so each is absent or imports cleanly."""
