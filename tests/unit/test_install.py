@@ -42,15 +42,21 @@ def test_the_install_compiled_the_engines_modules_to_bytecode():
         if not cached.exists():
             stale.append(f"{name}: no {cached.name}")
             continue
-        header = cached.read_bytes()[:16]
-        flags = int.from_bytes(header[4:8], "little")
-        stat = source.stat()
-        current = header[:4] == importlib.util.MAGIC_NUMBER and (
-            flags != 0 or (int.from_bytes(header[8:12], "little") == int(stat.st_mtime) & 0xFFFFFFFF
-                           and int.from_bytes(header[12:16], "little") == stat.st_size & 0xFFFFFFFF))
-        if not current:
+        if not pyc_is_current(cached.read_bytes()[:16], source.stat()):
             stale.append(f"{name}: {cached.name} does not match its source")
     assert not stale, f"the install left modules uncompiled: {stale}"
+
+
+def pyc_is_current(header: bytes, source) -> bool:
+    """PEP 552's header: this Python's magic number, then flags; flags 0 (timestamp-based) carry
+    the source's mtime and size, each mod 2**32; a hash-based `.pyc` (flags set) is current too."""
+    def word(i: int) -> int:
+        return int.from_bytes(header[4 * i: 4 * i + 4], "little")
+
+    if header[:4] != importlib.util.MAGIC_NUMBER:
+        return False
+    return word(1) != 0 or (word(2), word(3)) == (int(source.st_mtime) & 0xFFFFFFFF,
+                                                 source.st_size & 0xFFFFFFFF)
 
 
 def test_broken_torchvision_is_not_installed():
