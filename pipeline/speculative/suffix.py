@@ -254,19 +254,23 @@ class SuffixState:
 
     def __init__(self, drafter: SuffixDrafter):
         self.drafter = drafter
-        self.local = SuffixTree(drafter.settings.max_depth)  # the context is its sequence 0
-        self.local.seqs[0] = []
+        self.local = self._tree_of(())
         self.prompt_len: int | None = None
         self._cached: tuple[SuffixTree | None, int] = (None, -1)
         # False without a cache of responses, or once the response was truncated
         self._caching = drafter.settings.max_cached_requests > 0
+
+    def _tree_of(self, token_ids: Sequence[int]) -> SuffixTree:
+        tree = SuffixTree(self.drafter.settings.max_depth)
+        tree.extend(0, token_ids)  # the request's context is the tree's sequence 0
+        return tree
 
     @property
     def token_ids(self) -> Sequence[int]:
         return self.local.seqs[0]
 
     def append(self, token_ids: Sequence[int]) -> None:
-        context = self.local.seqs[0]
+        context = self.local.seqs[0]  # the list `extend` appends to
         start = len(context)
         self.local.extend(0, token_ids)
         if self.prompt_len is None:
@@ -282,12 +286,9 @@ class SuffixState:
         `propose_after`), and stops caching its response, whose cached copy stays as it was."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        kept = self.local.seqs[0][:num_tokens]
-        if len(kept) == len(self.local.seqs[0]):
+        if num_tokens >= len(self.token_ids):
             return
-        self.local = SuffixTree(self.drafter.settings.max_depth)
-        self.local.seqs[0] = []
-        self.local.extend(0, kept)
+        self.local = self._tree_of(self.token_ids[:num_tokens])
         self._caching = False
 
     def propose(self, num_speculative_tokens: int) -> list[int]:
@@ -297,7 +298,7 @@ class SuffixState:
         """The best draft of the request's tree and the recent responses' trees, for the
         context's last `max_depth` tokens followed by `assumed`."""
         s = self.drafter.settings
-        pattern = [*self.local.seqs[0][-s.max_depth:], *assumed]
+        pattern = [*self.token_ids[-s.max_depth:], *assumed]
         best: tuple[list[int], float] = ([], 0.0)
         for tree in (self.local, *self.drafter.response_trees()):
             draft = tree.speculate(pattern, num_speculative_tokens, s.max_spec_factor,

@@ -62,9 +62,6 @@ def spec_counters(server) -> tuple[int, int]:
     return stats["num_draft_tokens"], stats["num_accepted_tokens"]
 
 
-IMAGE_PROMPTS = 2  # image_messages(), after the text prompts
-
-
 def image_messages() -> list[list[dict]]:
     from tests.server.test_multimodal import data_url, image_chat, png
 
@@ -97,7 +94,7 @@ def without_speculation(server, client, conversations) -> list[str]:
 @pytest.mark.parametrize("name", ["ngram", "suffix", "dspark"])
 def test_greedy_output_with_each_drafter_equals_output_without(server, client, conversations,
                                                                without_speculation, name):
-    texts_end = len(conversations) - IMAGE_PROMPTS
+    texts_end = len(conversations) - len(image_messages())  # the images come last
     chosen = [*range(0, texts_end, EVERY_NTH_TEXT.get(name, 1)),
               *range(texts_end, len(conversations))]
     with drafter(server, name):
