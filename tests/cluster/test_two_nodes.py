@@ -4,16 +4,22 @@ A head and a worker node on this machine (tests/cluster/conftest.py), each with 
 and `moonserve_draft: 1`, so each node runs one LanguageModel replica (embedded model) and one of
 the two DraftService shards (speculation: requests sharded by id); the Router and Serve's one
 proxy on the head. The app is deployed by `moonserve serve --address` as a user deploys onto a
-cluster. A real Prometheus
+cluster, with `external_scaler_enabled` (replicas set from outside). A real Prometheus
 scrapes every node through Ray's service-discovery file.
+
+Prefix-affinity routing keeps each conversation on one node's replica: its first turn goes where
+Serve's power of two choices sends it, every later turn to the replica holding its prefix; the
+same for a Responses session continued by `previous_response_id`.
 
 Under load, the worker node's raylet is SIGKILLed: every request is counted (completed, or failed
 with an error the client sees), its streams end with an error event and `[DONE]`, new requests
 go to the head's replica; the node rejoins and the app serves on both replicas again. Then every
 Grafana panel's query has a series in that Prometheus, and headless Chromium logs into the Ray
 dashboard with the cluster's token (as the README says) and takes the screenshot in the docs.
-Last, a second Router app with a replica on each node keeps Responses turns in a real Redis
-(Debian's `redis-server`), and each replica reads what the other stored.
+Then a second Router app with a replica on each node keeps Responses turns in a real Redis
+(Debian's `redis-server`), and each replica reads what the other stored. Last, Ray's own scale
+call (the dashboard's REST API) takes the LanguageModel from two replicas to one under load and
+cuts no stream.
 
 These tests run in order and share one cluster; they run before the session server starts
 (`tests/cluster` sorts first), so no third engine shares the two cores.
@@ -23,7 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -35,7 +43,8 @@ import pytest
 import yaml
 
 from moonserve.pipeline.app.launch import ServerProcess
-from moonserve.pipeline.bench.corpus import copy_prompts
+from moonserve.pipeline.bench.corpus import copy_prompts, filler_text
+from moonserve.pipeline.bench.routing import replica_stats
 from moonserve.pipeline.config import DEFAULT_CONFIG
 from tests.cluster.conftest import Prometheus, TwoNodeCluster, free_ports
 from tests.conftest import MODEL, REPO
@@ -49,10 +58,14 @@ DOCS_SCREENSHOTS = ("ray-dashboard-serve-app.png", "ray-dashboard-nodes.png")
 
 
 def two_node_config(http_port: int) -> dict:
-    """configs/local.yaml with two LanguageModel replicas, one per `moonserve_lm` node."""
+    """configs/local.yaml with two LanguageModel replicas, one per `moonserve_lm` node, scaled
+    from outside (`external_scaler_enabled`)."""
     data = yaml.safe_load(DEFAULT_CONFIG.read_text())
     data["http_options"]["port"] = http_port
+    # Replicas set from outside (the scale-down test's REST call): no Serve autoscaling beside it.
+    data["applications"][0]["external_scaler_enabled"] = True
     args = data["applications"][0]["args"]
+    args["vision"]["preprocessor"]["deployment"] = {"num_replicas": 1, "max_ongoing_requests": 32}
     args["router"]["deployment"]["resources"] = {"moonserve_head": 0.01}
     lm = args["language_model"]
     lm["deployment"] = {"num_replicas": 2, "max_ongoing_requests": 64}
@@ -107,6 +120,34 @@ def app(cluster, tmp_path_factory):
         process.stop()
 
 
+def join_cluster(address: str, env: dict) -> None:
+    """The `lm_requests` child's start: the cluster's token, then Ray."""
+    import ray
+
+    os.environ.update(env)
+    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+
+
+def requests_by_replica() -> dict[str, int]:
+    """In the `lm_requests` child: each LanguageModel replica's requests so far."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("LanguageModel", app_name=APP)
+    return {name: stats["num_requests"] for name, stats in replica_stats(handle, 2).items()}
+
+
+@pytest.fixture(scope="module")
+def lm_requests(cluster, app):
+    """`lm_requests()`: each LanguageModel replica's requests so far, asked through a Serve handle
+    in a spawned child joined to the cluster. A handle in the test process would keep Serve's
+    client state for this cluster, and the session server's handles in later tests would wait
+    on replicas that are gone."""
+    with multiprocessing.get_context("spawn").Pool(
+            1, initializer=join_cluster, initargs=(cluster.address, cluster.env)) as pool:
+        yield lambda: pool.apply(requests_by_replica)
+        pool.terminate()
+
+
 def running(cluster: TwoNodeCluster, deployment: str) -> list[dict]:
     return [r for r in cluster.serve_replicas(APP).get(deployment, [])
             if r.get("state") == "RUNNING"]
@@ -151,10 +192,10 @@ class Outcome:
 
 
 async def chat(http: httpx.AsyncClient, url: str, content: str, max_tokens: int,
-               started: asyncio.Event | None = None) -> Outcome:
+               started: asyncio.Event | None = None, sampling: dict | None = None) -> Outcome:
     body = {"model": MODEL, "messages": [{"role": "user", "content": content}],
             "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, **(sampling or {})}
     out = Outcome()
     try:
         async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
@@ -222,6 +263,49 @@ async def test_prometheus_scrapes_every_node(cluster, app, prometheus):
             await asyncio.gather(*(chat(http, app, f"Count to {k + i}.", 4) for i in range(2)))
             k += 2
             await asyncio.sleep(2)
+
+
+async def test_each_conversation_stays_on_the_replica_holding_its_prefix(lm_requests, app):
+    """Prefix-affinity routing across the nodes: a conversation's first turn goes where Serve's
+    power of two choices sends it, every later turn to the replica holding its prefix."""
+    rng = random.Random(3)
+    async with httpx.AsyncClient(timeout=300) as http:
+        for k in range(4):
+            before = await asyncio.to_thread(lm_requests)
+            messages = [{"role": "system",
+                         "content": f"Conversation {k}. {filler_text(rng, 150)}"}]
+            for turn in range(3):
+                messages.append({"role": "user", "content": f"Question {turn}: why?"})
+                r = await http.post(f"{app}/v1/chat/completions", json={
+                    "model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0})
+                assert r.status_code == 200, r.text
+                messages.append({"role": "assistant",
+                                 "content": r.json()["choices"][0]["message"]["content"]})
+            after = await asyncio.to_thread(lm_requests)
+            # Power of two choices alone keeps all three together one time in four.
+            assert sorted(after[name] - before.get(name, 0) for name in after) == [0, 3], k
+
+
+async def test_each_responses_session_stays_on_one_replica(lm_requests, app):
+    """Turns that continue by `previous_response_id` send only their new input: the Router
+    rebuilds the conversation from the store and routes it by its prefix (and by the session's
+    key), so every turn of a session lands on one replica."""
+    rng = random.Random(5)
+    async with httpx.AsyncClient(timeout=300) as http:
+        for k in range(3):
+            before = await asyncio.to_thread(lm_requests)
+            previous = None
+            for turn in range(3):
+                body = {"model": MODEL, "max_output_tokens": 8, "temperature": 0,
+                        "input": f"Session {k}. {filler_text(rng, 150)}" if turn == 0
+                        else f"Question {turn}: why?"}
+                if previous is not None:
+                    body["previous_response_id"] = previous
+                r = await http.post(f"{app}/v1/responses", json=body)
+                assert r.status_code == 200, r.text
+                previous = r.json()["id"]
+            after = await asyncio.to_thread(lm_requests)
+            assert sorted(after[name] - before.get(name, 0) for name in after) == [0, 3], k
 
 
 async def test_killing_the_worker_node_under_load_loses_no_request(cluster, app, prometheus):
@@ -456,3 +540,38 @@ async def test_stored_turns_in_redis_are_read_by_router_replicas_on_both_nodes(
         assert all(n > 0 for n in by_replica.values()), by_replica
     finally:
         in_child(cluster, "delete_session_routers", cluster.address)
+
+
+SCALED_STREAMS = 4
+SCALED_STREAM_TOKENS = 420  # at 4 streams on 2 cores, long enough to outlast Serve's 20 s drain
+
+
+async def test_scaling_the_language_model_down_under_load_cuts_no_stream(cluster, app):
+    """Ray's own scale call (the dashboard's REST API; the app runs with
+    `external_scaler_enabled`) takes the LanguageModel from two replicas to one under load: the
+    replica that goes drains its streams, the other keeps serving, nothing is restarted. Last in
+    the module: the app keeps one replica after it."""
+    async with httpx.AsyncClient(timeout=600) as http:
+        started = [asyncio.Event() for _ in range(SCALED_STREAMS)]
+        # Seeded sampled requests are not drafted for: the streams go at the engines' own pace.
+        streams = [asyncio.create_task(chat(http, app, f"Tell story {k}.", SCALED_STREAM_TOKENS,
+                                            e, sampling={"temperature": 1.0, "seed": k}))
+                   for k, e in enumerate(started)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 180)
+        replicas = await asyncio.to_thread(running, cluster, "LanguageModel")
+        assert len(replicas) == 2, replicas
+        scaled = time.monotonic()
+        r = await http.post(f"{cluster.dashboard_url}/api/v1/applications/{APP}/deployments/"
+                            "LanguageModel/scale", json={"target_num_replicas": 1},
+                            headers={"Authorization": f"Bearer {cluster.token}"})
+        assert r.status_code == 200, r.text
+        during = await chat(http, app, "hi", 4)
+        outcomes = await asyncio.gather(*streams)
+        drained_s = time.monotonic() - scaled
+    assert [(o.kind, o.tokens) for o in outcomes] == \
+        [("completed", SCALED_STREAM_TOKENS)] * SCALED_STREAMS, outcomes
+    assert during.kind == "completed", during
+    assert drained_s > 20, drained_s  # past Serve's default graceful shutdown
+    await asyncio.to_thread(wait_for_replicas, cluster, "LanguageModel", 1, 60)
+    assert [r["replica_id"] for r in running(cluster, "LanguageModel")][0] in \
+        {r["replica_id"] for r in replicas}, "the replica that stayed was restarted"

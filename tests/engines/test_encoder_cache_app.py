@@ -8,6 +8,11 @@ loads the stored output. The LanguageModel's workers carry `ImageProbe`
 (`moonserve.pipeline.engine.worker_probe`), which counts the engine's encoder calls and records the
 token ids and image rows of each prefill. The engines are this module's own and are stopped before
 the session server's starts (tests/engines runs before tests/server).
+
+The handover's key property: the rows the engine gets at the image positions are the stored
+output, bit-equal to what the engine computes from the pixels itself when the output cannot be
+had (the last test), so a handed-over image is exactly an image encoded in the engine. The store's
+own rules (atomic put, LRU eviction, key checks): tests/unit/test_ec_store.py.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import torch
 from PIL import Image
 from tokenizers import Tokenizer
 
-from moonserve.pipeline.engine.ec_store import get, has
+from moonserve.pipeline.engine.ec_store import get, has, store_path
 from moonserve.pipeline.synthetic_checkpoints.k3 import token_id
 from moonserve.pipeline.synthetic_checkpoints.k25 import (
     SERVE_ENGINE,
@@ -112,7 +117,12 @@ def first(client, serve_calls, app):
 
 def test_image_is_encoded_once_in_the_vision_encoder_and_never_in_the_engine(first, app):
     assert first["encoder_after"]["encoded"] - first["encoder_before"]["encoded"] == 1
-    assert has(app.store, sha256(first["png"]))
+    key = sha256(first["png"])
+    stored = get(app.store, key)  # [num_image_tokens, text hidden], the engine's bfloat16
+    assert stored.dtype == torch.bfloat16 and stored.shape[0] > 1
+    assert torch.isfinite(stored).all() and stored.abs().sum() > 0
+    assert list(store_path(app.store, key).parent.iterdir()) == [store_path(app.store, key)], \
+        "a temp file was left beside the stored output"
     probe = first["probe"]
     assert probe["encoder_calls"] == 0
     assert len(probe["prefills"]) == 1
@@ -222,3 +232,23 @@ def test_an_output_missing_from_the_lms_node_store_is_fetched_from_where_the_enc
     probe = serve_calls("LanguageModel", "collective_rpc", "image_probe_report")[0]
     assert probe["encoder_calls"] == 0
     assert torch.equal(torch.tensor(probe["prefills"][0]["image_rows"]), stored.float())
+
+
+def test_an_output_that_cannot_be_fetched_is_encoded_by_the_engine_as_the_encoder_did(
+        first, serve_calls, app, tmp_path):
+    """The first image under a key stored nowhere (the encoder's node lost it, or is gone): the
+    LM's fetch fails, and its engine runs its own tower on the pixels. Those rows are bit-equal to
+    what the VisionEncoder stored for the image, and the engine, a consumer, stores nothing."""
+    key = "0" * 64  # the image's uuid in the request: no store holds it
+    stored = get(app.store, sha256(first["png"]))
+    prefill = first["probe"]["prefills"][0]
+    empty_store = tmp_path / "encoder-node-store"
+    empty_store.mkdir()
+    num_tokens = serve_calls.pool.apply(generate_with_encoder_output, (
+        prefill["input_ids"], token_id(MEDIA_PAD), key, stored.shape[0], str(empty_store),
+        first["png"]))
+    assert num_tokens == 2
+    probe = serve_calls("LanguageModel", "collective_rpc", "image_probe_report")[0]
+    assert probe["encoder_calls"] == 1
+    assert torch.equal(torch.tensor(probe["prefills"][0]["image_rows"]), stored.float())
+    assert not has(app.store, key) and not any(empty_store.iterdir())

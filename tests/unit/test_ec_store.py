@@ -1,5 +1,6 @@
 """The encoder-cache store, `moonserve.pipeline.engine.ec_store`: atomic writes, key
-checks, least-recently-used eviction (the engines that use it: tests/engines/test_ec_connector.py).
+checks, least-recently-used eviction (the engines that use it:
+tests/engines/test_encoder_cache_app.py).
 """
 
 from __future__ import annotations
