@@ -4,8 +4,10 @@ Arms: `off` (no speculation); `vllm_ngram` (vLLM's in-engine prompt lookup, `dra
 `--vllm-ngram-k K` adds `vllm_ngram_kK`, the same at k = K); `service_ngram` (the DraftService,
 `draft.mode: service`, with `draft.adaptive` as configured), `service_ngram_fixed` (the same with
 adaptive drafting off: k drafts every step), `service_suffix` (the DraftService's suffix
-drafter), `service_dspark` and `service_none` (the service path drafting nothing: the cost of the
-path by itself); one engine for the service arms, switched with `DraftService.set_drafter`.
+drafter; `--suffix-spec-factor F` adds `service_suffix_fF`, the same with
+`draft.suffix.max_spec_factor` F, on an engine of its own), `service_dspark` and `service_none`
+(the service path drafting nothing: the cost of the path by itself); one engine for the service
+arms, switched with `DraftService.set_drafter`.
 Every arm uses the same n-gram sizes and greedy requests, so all arms must produce identical text
 (`outputs_match_off`); all but `vllm_ngram_kK` draft at most `num_speculative_tokens` (the
 config's, or `--num-speculative-tokens`).
@@ -31,8 +33,8 @@ bytes at K3's widths (`--hidden-state-steps 0` skips it).
 
     moonserve bench speculative [--requests 8] [--max-tokens 96] [--concurrency 1 4 16]
                                 [--rounds 3] [--num-speculative-tokens K] [--vllm-ngram-k K ...]
-                                [--arms a,b] [--workloads a,b] [--hidden-state-steps N]
-                                [--out bench-speculative.json]
+                                [--suffix-spec-factor F ...] [--arms a,b] [--workloads a,b]
+                                [--hidden-state-steps N] [--out bench-speculative.json]
 """
 
 from __future__ import annotations
@@ -95,6 +97,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the most drafts per step for every arm (default: the config's)")
     parser.add_argument("--vllm-ngram-k", type=int, nargs="*", default=[],
                         help="also run vLLM's ngram at these k (arms vllm_ngram_kK)")
+    parser.add_argument("--suffix-spec-factor", type=float, nargs="*", default=[],
+                        help="also run the DraftService's suffix drafter with these "
+                             "draft.suffix.max_spec_factor (arms service_suffix_fF, an engine "
+                             "each)")
     parser.add_argument("--hidden-state-steps", type=int, default=20,
                         help="decode steps per batch size (1, 8, 64) of the hidden-state draft "
                              "step measurement (bytes, round trip); 0 skips it")
@@ -168,8 +174,12 @@ def chosen_arms(args) -> dict[str, Arm]:
     for extra in args.vllm_ngram_k:
         arms[f"vllm_ngram_k{extra}"] = Arm(f"vllm_ngram_k{extra}", {
             "mode": "inline", "drafter": "ngram", "num_speculative_tokens": extra})
-    wanted = [a for a in args.arms.split(",") if a] + [f"vllm_ngram_k{k}" for k in
-                                                       args.vllm_ngram_k]
+    for factor in args.suffix_spec_factor:
+        arms[f"service_suffix_f{factor:g}"] = Arm(f"service_suffix_f{factor:g}", {
+            **SERVICE, **k, "suffix": {"max_spec_factor": factor}}, "suffix")
+    wanted = [a for a in args.arms.split(",") if a] + \
+        [f"vllm_ngram_k{k}" for k in args.vllm_ngram_k] + \
+        [f"service_suffix_f{f:g}" for f in args.suffix_spec_factor]
     unknown = set(wanted) - set(arms)
     if unknown:
         raise ValueError(f"unknown arms {sorted(unknown)}; choose from {','.join(ARMS)}")

@@ -31,6 +31,19 @@ def test_arms_share_engines_and_take_the_asked_k(tmp_path):
         assert draft.mode == ("service" if name.startswith("service") else "inline")
 
 
+def test_suffix_factor_arms_run_the_suffix_drafter_on_an_engine_each(tmp_path):
+    args = parse("--arms", "service_suffix", "--suffix-spec-factor", "2", "3.5")
+    arms = speculative.chosen_arms(args)
+    assert list(arms) == ["service_suffix", "service_suffix_f2", "service_suffix_f3.5"]
+    assert len({a.engine for a in arms.values()}) == 3
+    for name, factor in (("service_suffix", 1.0), ("service_suffix_f2", 2.0),
+                         ("service_suffix_f3.5", 3.5)):
+        path = speculative.arm_config(args.config, arms[name].draft, tmp_path / f"{name}.yaml")
+        draft = load_app_config(path).draft
+        assert (draft.mode, draft.suffix.max_spec_factor) == ("service", factor)
+        assert arms[name].drafter == "suffix"
+
+
 def test_unknown_arm_is_refused_by_name():
     with pytest.raises(ValueError, match="service_magic"):
         speculative.chosen_arms(parse("--arms", "off,service_magic"))
