@@ -120,20 +120,20 @@ def app(cluster, tmp_path_factory):
         process.stop()
 
 
-def requests_by_replica(address: str) -> dict[str, int]:
-    """In the `lm_requests` child: each LanguageModel replica's requests so far."""
+def lm_counter(address: str, key: str) -> dict[str, int]:
+    """In the `lm_counts` child: one counter of each LanguageModel replica's `stats()`."""
     import ray
     from ray import serve
 
     if not ray.is_initialized():
         ray.init(address=address, logging_level="ERROR", log_to_driver=False)
     handle = serve.get_deployment_handle("LanguageModel", app_name=APP)
-    return {name: stats["num_requests"] for name, stats in replica_stats(handle, 2).items()}
+    return {name: stats[key] for name, stats in replica_stats(handle, 2).items()}
 
 
 @pytest.fixture(scope="module")
-def lm_requests(cluster, app):
-    """`lm_requests()`: each LanguageModel replica's requests so far, asked through a Serve handle
+def lm_counts(cluster, app):
+    """`lm_counts(key)`: each LanguageModel replica's `stats()[key]`, asked through a Serve handle
     in a spawned child joined to the cluster. A handle in the test process would keep Serve's
     client state for this cluster, and the session server's handles in later tests would wait
     on replicas that are gone. The child starts with the cluster's environment: Ray reads the
@@ -143,7 +143,7 @@ def lm_requests(cluster, app):
             env.setenv(name, value)
         pool = multiprocessing.get_context("spawn").Pool(1)
     with pool:
-        yield lambda: pool.apply(requests_by_replica, (cluster.address,))
+        yield lambda key: pool.apply(lm_counter, (cluster.address, key))
         pool.terminate()
 
 
@@ -264,13 +264,13 @@ async def test_prometheus_scrapes_every_node(cluster, app, prometheus):
             await asyncio.sleep(2)
 
 
-async def test_each_conversation_stays_on_the_replica_holding_its_prefix(lm_requests, app):
+async def test_each_conversation_stays_on_the_replica_holding_its_prefix(lm_counts, app):
     """Prefix-affinity routing across the nodes: a conversation's first turn goes where Serve's
     power of two choices sends it, every later turn to the replica holding its prefix."""
     rng = random.Random(3)
     async with httpx.AsyncClient(timeout=300) as http:
         for k in range(4):
-            before = await asyncio.to_thread(lm_requests)
+            before = await asyncio.to_thread(lm_counts, "num_requests")
             messages = [{"role": "system",
                          "content": f"Conversation {k}. {filler_text(rng, 150)}"}]
             for turn in range(3):
@@ -280,19 +280,19 @@ async def test_each_conversation_stays_on_the_replica_holding_its_prefix(lm_requ
                 assert r.status_code == 200, r.text
                 messages.append({"role": "assistant",
                                  "content": r.json()["choices"][0]["message"]["content"]})
-            after = await asyncio.to_thread(lm_requests)
+            after = await asyncio.to_thread(lm_counts, "num_requests")
             # Power of two choices alone keeps all three together one time in four.
             assert sorted(after[name] - before.get(name, 0) for name in after) == [0, 3], k
 
 
-async def test_each_responses_session_stays_on_one_replica(lm_requests, app):
+async def test_each_responses_session_stays_on_one_replica(lm_counts, app):
     """Turns that continue by `previous_response_id` send only their new input: the Router
     rebuilds the conversation from the store and routes it by its prefix (and by the session's
     key), so every turn of a session lands on one replica."""
     rng = random.Random(5)
     async with httpx.AsyncClient(timeout=300) as http:
         for k in range(3):
-            before = await asyncio.to_thread(lm_requests)
+            before = await asyncio.to_thread(lm_counts, "num_requests")
             previous = None
             for turn in range(3):
                 body = {"model": MODEL, "max_output_tokens": 8, "temperature": 0,
@@ -303,7 +303,7 @@ async def test_each_responses_session_stays_on_one_replica(lm_requests, app):
                 r = await http.post(f"{app}/v1/responses", json=body)
                 assert r.status_code == 200, r.text
                 previous = r.json()["id"]
-            after = await asyncio.to_thread(lm_requests)
+            after = await asyncio.to_thread(lm_counts, "num_requests")
             assert sorted(after[name] - before.get(name, 0) for name in after) == [0, 3], k
 
 
@@ -547,7 +547,7 @@ SCALED_STREAMS = 4
 SCALED_STREAM_TOKENS = 200
 
 
-async def test_scaling_the_language_model_down_under_load_cuts_no_stream(cluster, app):
+async def test_scaling_the_language_model_down_under_load_cuts_no_stream(cluster, app, lm_counts):
     """Ray's own scale call (the dashboard's REST API; the app runs with
     `external_scaler_enabled`) takes the LanguageModel from two replicas to one under load: the
     replica that goes drains its streams, the other keeps serving, nothing is restarted. Last in
@@ -560,7 +560,9 @@ async def test_scaling_the_language_model_down_under_load_cuts_no_stream(cluster
                    for k, e in enumerate(started)]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 180)
         replicas = await asyncio.to_thread(running, cluster, "LanguageModel")
-        assert len(replicas) == 2, replicas
+        # Both replicas hold streams: the one scaled away has some to drain.
+        unfinished = await asyncio.to_thread(lm_counts, "num_unfinished_requests")
+        assert len(replicas) == 2 and all(n > 0 for n in unfinished.values()), unfinished
         scaled = time.monotonic()
         r = await http.post(f"{cluster.dashboard_url}/api/v1/applications/{APP}/deployments/"
                             "LanguageModel/scale", json={"target_num_replicas": 1},
