@@ -3,8 +3,16 @@
 - `server`: every test that uses the `server` fixture (tests/server/conftest.py), directly or
   through other fixtures, needs the live app, and so does every test in tests/cluster (its own
   two-node cluster) and tests/engines (apps and engines of their own, one at a time); `pytest -m
-  "not server"` runs everything else. Both directories sort before tests/server, so their engines
-  are gone before the session server's starts.
+  "not server"` runs everything else.
+- pytest-xdist (`-n auto`): each module is a group that runs on one worker, so its module fixtures
+  (an embedded build, Triton's interpreter) start once; each directory that holds engines is one
+  group. `pytest -m "not server" -n auto` is how the modules without engines run on every core.
+  The whole suite runs in one process by default: under `-n 2` here it took 1714-1966 s against
+  2113 s, but the timing-bound tests beside another worker's engines failed (the soak drew too
+  few requests in its 30 s; docs/benchmarks.md). Drivers join their own app's Ray cluster by
+  address (`join_ray(process.ray_address())`), never "auto", which takes any cluster on the
+  machine. tests/cluster and tests/engines sort before tests/server, so their engines are gone
+  before the session server's starts.
 - `gpu`: skipped when there is no CUDA/ROCm device.
 - `destructive`: kills parts of the session server, so these run after everything else.
 """
@@ -13,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import subprocess
 from pathlib import Path
 
@@ -92,6 +101,45 @@ def redis_url(tmp_path_factory):
 LOCAL_CONFIG = DEFAULT_CONFIG
 MODEL = "moonserve-embedded"  # the served model name in LOCAL_CONFIG
 OWN_APP_TESTS = (REPO / "tests" / "cluster", REPO / "tests" / "engines")
+
+
+# pytest-xdist's groups (`-n auto`): a group's tests run in order on one worker, so its fixtures
+# start once. One per directory that holds engines (its session or module apps start once, and
+# one worker's tests never see another's engines); else one per module.
+ENGINE_GROUPS = {"tests/server/": "session-server", "tests/cluster/": "cluster",
+                 "tests/engines/": "engines"}
+
+
+def xdist_group(nodeid: str) -> str:
+    module = nodeid.split("::", 1)[0]
+    return next((g for prefix, g in ENGINE_GROUPS.items() if module.startswith(prefix)), module)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`xdist_group`'s groups as xdist's scopes. xdist's own `--dist loadgroup` would do it from
+    `xdist_group` marks, but it passes them on by rewriting node ids, which pytest 9.2 no longer
+    reads (pytest-xdist#1386: every test then goes out on its own, silently)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    # Groups in collection order, not largest first: `-m "not server" -n auto` took 165.8 s so
+    # and 190.9 s largest first (one run each, this 2-core machine).
+    config.option.loadscopereorder = False
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group(nodeid)
+
+    return GroupScheduling(config, log)
+
+
+def pytest_configure(config):
+    if hasattr(config, "workerinput"):
+        # torch's threads in this worker: its share of the cores, not all of them, which the
+        # other workers' tests (and engines) use too.
+        import torch
+
+        workers = int(config.workerinput["workercount"])
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -11,6 +11,7 @@ Example:
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -21,8 +22,28 @@ from pathlib import Path
 import psutil
 
 
+# The line `moonserve serve` prints once its Ray cluster runs (pipeline/app/server.py).
+RAY_ADDRESS_LINE = "moonserve: Ray cluster at "
+
+
 class ServerFailed(RuntimeError):
     pass
+
+
+def join_ray(address: str) -> None:
+    """Join the Ray cluster at `address` (a `ServerProcess.ray_address()`) as a driver, once per
+    process, sending the cluster's token as `ray.init(address="auto")` would. A cluster that
+    `ray.init` starts runs with token authentication (~/.ray/auth_token) unless RAY_AUTH_MODE
+    says otherwise; `ray.init` turns it on in the driver only for a cluster it found itself, and
+    Ray reads RAY_AUTH_MODE once per process, at import, so setting it here would be too late."""
+    import ray
+    from ray._private.authentication.authentication_token_setup import (
+        maybe_enable_token_auth_if_token_available,
+    )
+
+    if not ray.is_initialized():
+        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
 
 
 class ServerProcess:
@@ -105,6 +126,17 @@ class ServerProcess:
         daemons and replicas included), then wait as `stop` does."""
         # Its own session: the group is the server's.
         return self._signal_and_wait(lambda proc: os.killpg(proc.pid, signal.SIGINT))
+
+    def ray_address(self) -> str:
+        """The GCS address of the Ray cluster this `moonserve serve` started or joined, from its
+        log: what a driver passes to `join_ray`. `address="auto"` picks any cluster on the
+        machine when more than one runs (a developer's own server, a test run beside a
+        benchmark)."""
+        found = re.search(re.escape(RAY_ADDRESS_LINE) + r"(\S+)",
+                          self.log_path.read_text(errors="replace"))
+        if found is None:
+            raise ServerFailed(f"no {RAY_ADDRESS_LINE!r} line in {self.log_path}:\n{self.log_tail()}")
+        return found.group(1)
 
     def log_tail(self, lines: int = 40) -> str:
         try:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import psutil
 
+from moonserve.pipeline.app.launch import RAY_ADDRESS_LINE
 from moonserve.pipeline.config import EMBEDDED_MODEL, AppConfig, load_serve_config
 
 # What ray.shutdown left of the local cluster gets this long after SIGTERM, then SIGKILL.
@@ -202,6 +203,9 @@ def run_until_signalled(options: ServeOptions) -> int:
         prepare_embedded(apps)
         start_ray(options, apps)
         listen(handler)  # ray.init installs its own SIGTERM handler (it aborts the driver)
+        # Before the API answers: a driver that waits for /health finds the address here.
+        print(f"{RAY_ADDRESS_LINE}{ray.get_runtime_context().gcs_address} (drivers: "
+              f"ray.init(address=...); `ray status --address ...`)", flush=True)
         host, port = deploy(options, serve_wide, apps)
         via = "Serve's HAProxy" if ingress(apps) == "haproxy" else "Serve's proxy"
         print(f"moonserve: OpenAI API at http://{host}:{port}/v1 (health: /health; through {via})",

@@ -26,7 +26,7 @@ import aiohttp
 from moonserve.pipeline.bench.client import percentile, stream_chat
 from moonserve.pipeline.bench.corpus import filler_text
 from moonserve.pipeline.config import DEFAULT_CONFIG, AppConfig, load_app_config
-from moonserve.pipeline.app.launch import ServerProcess
+from moonserve.pipeline.app.launch import ServerProcess, join_ray
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="config with lanes on")
@@ -155,7 +155,7 @@ def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="moonserve-bench-") as tmp, \
             ServerProcess(cmd, f"http://127.0.0.1:{args.port}/health",
                           Path(tmp) / "serve.log") as server:
-        ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+        join_ray(server.ray_address())
         try:
             lm_handle = deploy_fifo(config, model_path)
             per_round = measure_rounds(server.base_url, args, workload, lm_handle)

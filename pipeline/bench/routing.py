@@ -34,7 +34,7 @@ from pathlib import Path
 
 import aiohttp
 
-from moonserve.pipeline.app.launch import ServerProcess
+from moonserve.pipeline.app.launch import ServerProcess, join_ray
 from moonserve.pipeline.bench.client import percentile, stream_chat
 from moonserve.pipeline.bench.corpus import data_url, filler_text
 from moonserve.pipeline.config import DEFAULT_CONFIG, load_app_config, write_with_args
@@ -156,7 +156,7 @@ def run_arm(name: str, args, model: str, chats: list[Conversation], tmp: Path) -
            "--port", str(args.port), "--dashboard-port", str(args.port + 150)]
     with ServerProcess(cmd, f"http://127.0.0.1:{args.port}/health", tmp / f"{name}.log",
                        start_timeout_s=900) as server:
-        ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+        join_ray(server.ray_address())
         try:
             handle = serve.get_deployment_handle("LanguageModel", app_name="moonserve")
             before = replica_stats(handle, arm["replicas"])

@@ -54,7 +54,7 @@ from moonserve.pipeline.bench import agentic, hidden_steps
 from moonserve.pipeline.bench.client import percentile, run_load
 from moonserve.pipeline.bench.corpus import chat_prompts, copy_prompts, short_chat_prompts
 from moonserve.pipeline.config import DEFAULT_CONFIG, load_app_config, write_with_args
-from moonserve.pipeline.app.launch import ServerProcess
+from moonserve.pipeline.app.launch import ServerProcess, join_ray
 
 
 
@@ -274,7 +274,7 @@ def run_engine(engine: str, arms: dict[str, Arm], args, tmp: Path) -> dict[str, 
     rounds: dict[tuple[str, str, int], list[dict]] = {}
     with ServerProcess(cmd, f"http://127.0.0.1:{args.port}/health", tmp / f"{engine}.log",
                        start_timeout_s=600) as server:
-        ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+        join_ray(server.ray_address())
         try:
             first = next(iter(arms.values()))
             lm, draft = handles(with_draft_service=first.drafter is not None)

@@ -1,13 +1,17 @@
 """A module's own moonserve app and Serve handle calls made from a child process, for the tests in
-tests/engines (each runs its own app, stopped before the session server of tests/server starts).
+tests/engines (each runs its own app, which the session server of tests/server may run beside, in
+another pytest-xdist worker).
 
 - `running_app(root, args, port)`: `moonserve serve` on `configs/local.yaml` with its application
   `args` replaced by `args`, on `port` (dashboard and metrics ports derived), logging to
   `root/serve.log`; yields the `ServerProcess` and stops it after.
-- `serve_calls_in_child()`: yields `call(deployment, method, *args)`, a Serve handle call made in a
-  spawned child process that goes with the context. A handle in the test process would keep
-  Serve's client state for this app's cluster, and the session server's handles in later tests
-  would then wait on replicas that are gone. `call.pool` runs other functions in that child.
+- `serve_calls_in_child(address)`: yields `call(deployment, method, *args)`, a Serve handle call
+  made in a spawned child process, joined to the Ray cluster at `address` (the app's
+  `ray_address()`: another cluster may run on the machine, e.g. the session server's in the
+  other pytest-xdist worker), that goes with the context. A handle in the test process would
+  keep Serve's client state for this app's cluster, and the session server's handles in later
+  tests would then wait on replicas that are gone. `call.pool` runs other functions in that
+  child; they call `join_ray(call.address)` first.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from moonserve.pipeline.app.launch import ServerProcess
+from moonserve.pipeline.app.launch import ServerProcess, join_ray
 from moonserve.pipeline.config import DEFAULT_CONFIG
 
 
@@ -46,23 +50,21 @@ def running_app(root: Path, data: dict, port: int, env: dict | None = None):
         assert process.interrupt() == 0, process.log_tail()
 
 
-def call_deployment(deployment: str, method: str, args: tuple):
+def call_deployment(address: str, deployment: str, method: str, args: tuple):
     """A Serve handle call, in the child process."""
-    import ray
     from ray import serve
 
-    if not ray.is_initialized():
-        ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+    join_ray(address)
     handle = serve.get_deployment_handle(deployment, app_name="moonserve")
     return getattr(handle, method).remote(*args).result(timeout_s=120)
 
 
 @contextmanager
-def serve_calls_in_child():
+def serve_calls_in_child(address: str):
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         def call(deployment: str, method: str, *args):
-            return pool.apply(call_deployment, (deployment, method, args))
+            return pool.apply(call_deployment, (address, deployment, method, args))
 
-        call.pool = pool
+        call.pool, call.address = pool, address
         yield call
         pool.terminate()

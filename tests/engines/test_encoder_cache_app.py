@@ -6,8 +6,8 @@ runs its tower in an encoder-only `ec_producer` engine that stores each image's 
 store; the LanguageModel's `ec_consumer` engine gets the image in K2.5's own prompt format and
 loads the stored output. The LanguageModel's workers carry `ImageProbe`
 (`moonserve.pipeline.engine.worker_probe`), which counts the engine's encoder calls and records the
-token ids and image rows of each prefill. The engines are this module's own and are stopped before
-the session server's starts (tests/engines runs before tests/server).
+token ids and image rows of each prefill. The engines are this module's own (the session server
+may run beside them, in another pytest-xdist worker: tests/conftest.py).
 
 The handover's key property: the rows the engine gets at the image positions are the stored
 output, bit-equal to what the engine computes from the pixels itself when the output cannot be
@@ -29,6 +29,7 @@ import torch
 from PIL import Image
 from tokenizers import Tokenizer
 
+from moonserve.pipeline.app.launch import join_ray
 from moonserve.pipeline.engine.ec_store import get, has, store_path
 from moonserve.pipeline.synthetic_checkpoints.k3 import token_id
 from moonserve.pipeline.synthetic_checkpoints.k25 import (
@@ -76,7 +77,7 @@ def app(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def serve_calls(app):
-    with serve_calls_in_child() as call:
+    with serve_calls_in_child(app.ray_address()) as call:
         call("LanguageModel", "collective_rpc", "install_image_probe")
         yield call
 
@@ -174,8 +175,8 @@ def test_text_only_requests_still_reach_the_engine_as_tokens(client, serve_calls
     assert serve_calls("LanguageModel", "collective_rpc", "image_probe_report")[0]["prefills"] == []
 
 
-def generate_with_encoder_output(prompt_ids: list[int], pad_id: int, key: str, num_rows: int,
-                                 encoder_store: str, png: bytes) -> int:
+def generate_with_encoder_output(address: str, prompt_ids: list[int], pad_id: int, key: str,
+                                 num_rows: int, encoder_store: str, png: bytes) -> int:
     """In the `serve_calls` child: what a Router sends when the VisionEncoder ran on another node
     (the LM's store lacks the entry): where the encoder stored it, `encoder_store` on this node."""
     import ray
@@ -183,8 +184,7 @@ def generate_with_encoder_output(prompt_ids: list[int], pad_id: int, key: str, n
 
     from moonserve.pipeline.api.protocol import GenerateRequest, SamplingSpec, StoredEncoding
 
-    if not ray.is_initialized():
-        ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+    join_ray(address)
     stored = StoredEncoding(num_rows, ray.get_runtime_context().get_node_id(), encoder_store)
     request = GenerateRequest(
         "remote-encoder-1", prompt_ids, SamplingSpec(max_tokens=2, temperature=0.0),
@@ -225,7 +225,7 @@ def test_an_output_missing_from_the_lms_node_store_is_fetched_from_where_the_enc
     (app.store / key).rename(encoder_store / key)
     assert not has(app.store, key) and has(encoder_store, key)
     num_tokens = serve_calls.pool.apply(generate_with_encoder_output, (
-        prefill["input_ids"], token_id(MEDIA_PAD), key, stored.shape[0], str(encoder_store),
+        serve_calls.address, prefill["input_ids"], token_id(MEDIA_PAD), key, stored.shape[0], str(encoder_store),
         first["png"]))
     assert num_tokens == 2
     assert has(app.store, key) and torch.equal(get(app.store, key), stored)
@@ -245,7 +245,7 @@ def test_an_output_that_cannot_be_fetched_is_encoded_by_the_engine_as_the_encode
     empty_store = tmp_path / "encoder-node-store"
     empty_store.mkdir()
     num_tokens = serve_calls.pool.apply(generate_with_encoder_output, (
-        prefill["input_ids"], token_id(MEDIA_PAD), key, stored.shape[0], str(empty_store),
+        serve_calls.address, prefill["input_ids"], token_id(MEDIA_PAD), key, stored.shape[0], str(empty_store),
         first["png"]))
     assert num_tokens == 2
     probe = serve_calls("LanguageModel", "collective_rpc", "image_probe_report")[0]

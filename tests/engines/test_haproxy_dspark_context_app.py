@@ -6,8 +6,8 @@ touches what the other checks.
 The app is `configs/local.yaml` without vision, started by `moonserve serve`, which turns on
 Serve's HAProxy mode for the cluster it starts; the DraftService drafts from a K3 DSpark
 checkpoint sized to the embedded target (random weights, written here, reading target layers 0,
-14 and 29). Its engine is stopped before the session server's starts (tests/engines runs before
-tests/server).
+14 and 29). Its engine is its own (the session server may run beside it, in another pytest-xdist
+worker: tests/conftest.py).
 
 `dspark_context`: the target's hidden states reach the drafter.
 - Greedy output with the hidden-state drafter equals output with the `none` drafter, and the
@@ -85,7 +85,7 @@ def app(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def serve_calls(app):
-    with serve_calls_in_child() as call:
+    with serve_calls_in_child(app.ray_address()) as call:
         yield call
 
 

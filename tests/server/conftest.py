@@ -18,7 +18,7 @@ import psutil
 import pytest
 import yaml
 
-from moonserve.pipeline.app.launch import ServerProcess
+from moonserve.pipeline.app.launch import ServerProcess, join_ray
 from moonserve.pipeline.config import DEFAULT_CONFIG as LOCAL_CONFIG
 
 # Ports away from the defaults, so a developer's own `moonserve serve` does not collide.
@@ -34,11 +34,9 @@ class RunningServer:
 
     def lm_handle(self, app_name: str = "moonserve"):
         """A Ray Serve handle to the LanguageModel deployment (joins the server's Ray cluster)."""
-        import ray
         from ray import serve
 
-        if not ray.is_initialized():
-            ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+        join_ray(self.process.ray_address())
         return serve.get_deployment_handle("LanguageModel", app_name=app_name)
 
     def lm_stats(self) -> dict:

@@ -1,6 +1,6 @@
 """`moonserve serve` around Ray: after `ray.shutdown` it ends every process of the local cluster it
 started, orphans included (the live Ctrl-C test is the `server` fixture's teardown); at start it
-says how into the dashboard."""
+says how into the dashboard, and where its Ray cluster is."""
 
 from __future__ import annotations
 
@@ -49,3 +49,17 @@ def test_dashboard_line_says_how_to_log_in_when_ray_asks_for_a_token():
     assert "`ray get-auth-token`" in dashboard_login({"RAY_AUTH_MODE": "token"})
     assert dashboard_login({"RAY_AUTH_MODE": "disabled"}) == ""
     assert dashboard_login({}) == ""
+
+
+def test_the_ray_address_is_read_from_the_servers_log_and_its_absence_named(tmp_path):
+    """Drivers (tests, benches) join the cluster at the address `moonserve serve` prints; the
+    live line is read by every test of tests/server, this is the missing one."""
+    from moonserve.pipeline.app.launch import RAY_ADDRESS_LINE, ServerFailed, ServerProcess
+
+    log = tmp_path / "serve.log"
+    process = ServerProcess(["moonserve", "serve"], "http://127.0.0.1:9/health", log_path=log)
+    log.write_text("moonserve: starting\n")
+    with pytest.raises(ServerFailed, match=f"{RAY_ADDRESS_LINE}.*{log}"):
+        process.ray_address()
+    log.write_text(f"moonserve: starting\n{RAY_ADDRESS_LINE}10.0.0.7:6379 (drivers: ...)\n")
+    assert process.ray_address() == "10.0.0.7:6379"
