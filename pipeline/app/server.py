@@ -204,8 +204,7 @@ def run_until_signalled(options: ServeOptions) -> int:
         start_ray(options, apps)
         listen(handler)  # ray.init installs its own SIGTERM handler (it aborts the driver)
         # Before the API answers: a driver that waits for /health finds the address here.
-        print(f"{RAY_ADDRESS_LINE}{ray.get_runtime_context().gcs_address} (drivers: "
-              f"ray.init(address=...); `ray status --address ...`)", flush=True)
+        print(f"{RAY_ADDRESS_LINE}{ray.get_runtime_context().gcs_address}", flush=True)
         host, port = deploy(options, serve_wide, apps)
         via = "Serve's HAProxy" if ingress(apps) == "haproxy" else "Serve's proxy"
         print(f"moonserve: OpenAI API at http://{host}:{port}/v1 (health: /health; through {via})",

@@ -225,8 +225,8 @@ def test_an_output_missing_from_the_lms_node_store_is_fetched_from_where_the_enc
     (app.store / key).rename(encoder_store / key)
     assert not has(app.store, key) and has(encoder_store, key)
     num_tokens = serve_calls.pool.apply(generate_with_encoder_output, (
-        serve_calls.address, prefill["input_ids"], token_id(MEDIA_PAD), key, stored.shape[0], str(encoder_store),
-        first["png"]))
+        serve_calls.address, prefill["input_ids"], token_id(MEDIA_PAD), key, stored.shape[0],
+        str(encoder_store), first["png"]))
     assert num_tokens == 2
     assert has(app.store, key) and torch.equal(get(app.store, key), stored)
     probe = serve_calls("LanguageModel", "collective_rpc", "image_probe_report")[0]
@@ -245,8 +245,8 @@ def test_an_output_that_cannot_be_fetched_is_encoded_by_the_engine_as_the_encode
     empty_store = tmp_path / "encoder-node-store"
     empty_store.mkdir()
     num_tokens = serve_calls.pool.apply(generate_with_encoder_output, (
-        serve_calls.address, prefill["input_ids"], token_id(MEDIA_PAD), key, stored.shape[0], str(empty_store),
-        first["png"]))
+        serve_calls.address, prefill["input_ids"], token_id(MEDIA_PAD), key, stored.shape[0],
+        str(empty_store), first["png"]))
     assert num_tokens == 2
     probe = serve_calls("LanguageModel", "collective_rpc", "image_probe_report")[0]
     assert probe["encoder_calls"] == 1

@@ -61,5 +61,5 @@ def test_the_ray_address_is_read_from_the_servers_log_and_its_absence_named(tmp_
     log.write_text("moonserve: starting\n")
     with pytest.raises(ServerFailed, match=f"{RAY_ADDRESS_LINE}.*{log}"):
         process.ray_address()
-    log.write_text(f"moonserve: starting\n{RAY_ADDRESS_LINE}10.0.0.7:6379 (drivers: ...)\n")
+    log.write_text(f"moonserve: starting\n{RAY_ADDRESS_LINE}10.0.0.7:6379\nmoonserve: OpenAI API at ...\n")
     assert process.ray_address() == "10.0.0.7:6379"
