@@ -137,14 +137,10 @@ def lm_counts(cluster, app):
     in a spawned child joined to the cluster. A handle in the test process would keep Serve's
     client state for this cluster, and the session server's handles in later tests would wait
     on replicas that are gone. The child starts with the cluster's environment: Ray reads the
-    token from the environment the process started with. A replica streaming on a loaded core
-    (the other pytest-xdist worker's engines beside it) may answer the handle's queue-length probe
-    after Serve's 0.1 s deadline, and the handle then never picks it: the child waits up to 2 s."""
+    token from the environment the process started with."""
     with pytest.MonkeyPatch.context() as env:
         for name, value in cluster.env.items():
             env.setenv(name, value)
-        env.setenv("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "2.0")
-        env.setenv("RAY_SERVE_MAX_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "2.0")
         pool = multiprocessing.get_context("spawn").Pool(1)
     with pool:
         yield lambda key: pool.apply(lm_counter, (cluster.address, key))
