@@ -31,12 +31,13 @@ class RunningServer:
     def __init__(self, process: ServerProcess):
         self.process = process
         self.base_url = process.base_url
+        self.ray_address = process.ray_address()  # printed before the app answered /health
 
     def lm_handle(self, app_name: str = "moonserve"):
         """A Ray Serve handle to the LanguageModel deployment (joins the server's Ray cluster)."""
         from ray import serve
 
-        join_ray(self.process.ray_address())
+        join_ray(self.ray_address)
         return serve.get_deployment_handle("LanguageModel", app_name=app_name)
 
     def lm_stats(self) -> dict:
