@@ -1,10 +1,10 @@
 """Soak: mixed traffic at a steady load for a long time; memory stays flat and nothing is lost.
 
 Starts `moonserve serve` on `--config` and runs `--concurrency` closed-loop clients for
-`--duration-s` (default 20 minutes). Each client draws its next request from a fixed mix (KINDS):
-whole and streamed chat, an image (a PNG made with Pillow: from a pool of IMAGE_POOL, or a small
-new one), a forced tool call, a stream the client hangs up on after its first token, a long prompt
-(the long-context lane), and a bad request (a malformed body or a broken image,
+`--duration-s` (default 20 minutes). Each client takes its next request's kind from a dealt deck
+(KINDS, by weight): whole and streamed chat, an image (a PNG made with Pillow: from a pool of
+IMAGE_POOL, or a small new one), a forced tool call, a stream the client hangs up on after its
+first token, a long prompt (the long-context lane), and a bad request (a malformed body or a broken image,
 pipeline/bench/corpus.py). Every `--sample-s` it records each server process's RSS (psutil, the
 whole process tree: Ray's daemons, the replicas, vLLM's engine cores) and the bytes in Ray's object
 store (the node's `ray_object_store_memory` metric). After the load, the object store is polled
@@ -119,6 +119,7 @@ class Mix:
     def __init__(self, model: str, seed: int):
         self.model = model
         self.rng = random.Random(seed)
+        self.deck: list[str] = []
         self.pool = [png_url(self.rng, self.rng.randrange(32, 640), self.rng.randrange(32, 640))
                      for _ in range(IMAGE_POOL)]
         self.bad = [raw for _, raw in bad_bodies(model)] + [
@@ -126,7 +127,16 @@ class Mix:
             for name, url in broken_images().items() if name != "decompression bomb"]
 
     def kind(self) -> str:
-        return self.rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
+        """The next card of a shuffled deck holding each kind as often as its weight, dealt so
+        that its first len(KINDS) cards are one of each kind: every kind is sent early however
+        slow the machine, and each deck of sum(KINDS.values()) requests has the mix exactly."""
+        if not self.deck:
+            rest = [kind for kind, weight in KINDS.items() for _ in range(weight - 1)]
+            first = list(KINDS)
+            self.rng.shuffle(first)
+            self.rng.shuffle(rest)
+            self.deck = rest + first  # dealt from the end
+        return self.deck.pop()
 
     def chat(self, content, stream: bool = False, **fields) -> dict:
         body = {"model": self.model, "messages": [{"role": "user", "content": content}],

@@ -37,6 +37,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -131,10 +132,23 @@ def lm_counter(address: str, key: str) -> dict[str, int]:
     return {name: stats[key] for name, stats in replica_stats(handle, 2).items()}
 
 
+def ongoing_requests(address: str, actor_names: list[str]) -> dict[str, int]:
+    """In the `lm_counts` child: each named replica actor's ongoing requests, asked of the actor
+    itself (the queue-length probe Serve's handles send), not through a handle: under load a
+    handle sends every call to the lighter replica, so `replica_stats` may never reach the other."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    return {name: ray.get(ray.get_actor(name, namespace="serve").get_num_ongoing_requests.remote())
+            for name in actor_names}
+
+
 @pytest.fixture(scope="module")
 def lm_counts(cluster, app):
-    """`lm_counts(key)`: each LanguageModel replica's `stats()[key]`, asked through a Serve handle
-    in a spawned child joined to the cluster. A handle in the test process would keep Serve's
+    """`lm_counts.stats(key)`: each LanguageModel replica's `stats()[key]`, asked through a Serve
+    handle in a spawned child joined to the cluster; `lm_counts.ongoing(actor_names)`: those
+    replicas' ongoing requests, from the same child. A handle in the test process would keep Serve's
     client state for this cluster, and the session server's handles in later tests would wait
     on replicas that are gone. The child starts with the cluster's environment: Ray reads the
     token from the environment the process started with."""
@@ -143,7 +157,9 @@ def lm_counts(cluster, app):
             env.setenv(name, value)
         pool = multiprocessing.get_context("spawn").Pool(1)
     with pool:
-        yield lambda key: pool.apply(lm_counter, (cluster.address, key))
+        yield SimpleNamespace(
+            stats=lambda key: pool.apply(lm_counter, (cluster.address, key)),
+            ongoing=lambda names: pool.apply(ongoing_requests, (cluster.address, names)))
         pool.terminate()
 
 
@@ -270,7 +286,7 @@ async def test_each_conversation_stays_on_the_replica_holding_its_prefix(lm_coun
     rng = random.Random(3)
     async with httpx.AsyncClient(timeout=300) as http:
         for k in range(4):
-            before = await asyncio.to_thread(lm_counts, "num_requests")
+            before = await asyncio.to_thread(lm_counts.stats, "num_requests")
             messages = [{"role": "system",
                          "content": f"Conversation {k}. {filler_text(rng, 150)}"}]
             for turn in range(3):
@@ -280,7 +296,7 @@ async def test_each_conversation_stays_on_the_replica_holding_its_prefix(lm_coun
                 assert r.status_code == 200, r.text
                 messages.append({"role": "assistant",
                                  "content": r.json()["choices"][0]["message"]["content"]})
-            after = await asyncio.to_thread(lm_counts, "num_requests")
+            after = await asyncio.to_thread(lm_counts.stats, "num_requests")
             # Power of two choices alone keeps all three together one time in four.
             assert sorted(after[name] - before.get(name, 0) for name in after) == [0, 3], k
 
@@ -292,7 +308,7 @@ async def test_each_responses_session_stays_on_one_replica(lm_counts, app):
     rng = random.Random(5)
     async with httpx.AsyncClient(timeout=300) as http:
         for k in range(3):
-            before = await asyncio.to_thread(lm_counts, "num_requests")
+            before = await asyncio.to_thread(lm_counts.stats, "num_requests")
             previous = None
             for turn in range(3):
                 body = {"model": MODEL, "max_output_tokens": 8, "temperature": 0,
@@ -303,7 +319,7 @@ async def test_each_responses_session_stays_on_one_replica(lm_counts, app):
                 r = await http.post(f"{app}/v1/responses", json=body)
                 assert r.status_code == 200, r.text
                 previous = r.json()["id"]
-            after = await asyncio.to_thread(lm_counts, "num_requests")
+            after = await asyncio.to_thread(lm_counts.stats, "num_requests")
             assert sorted(after[name] - before.get(name, 0) for name in after) == [0, 3], k
 
 
@@ -561,8 +577,9 @@ async def test_scaling_the_language_model_down_under_load_cuts_no_stream(cluster
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 180)
         replicas = await asyncio.to_thread(running, cluster, "LanguageModel")
         # Both replicas hold streams: the one scaled away has some to drain.
-        unfinished = await asyncio.to_thread(lm_counts, "num_unfinished_requests")
-        assert len(replicas) == 2 and all(n > 0 for n in unfinished.values()), unfinished
+        assert len(replicas) == 2, replicas
+        ongoing = await asyncio.to_thread(lm_counts.ongoing, [r["actor_name"] for r in replicas])
+        assert all(n > 0 for n in ongoing.values()), ongoing
         scaled = time.monotonic()
         r = await http.post(f"{cluster.dashboard_url}/api/v1/applications/{APP}/deployments/"
                             "LanguageModel/scale", json={"target_num_replicas": 1},

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from moonserve.pipeline.bench.soak import Mix, Options, Tally, judge
+from collections import Counter
+
+from moonserve.pipeline.bench.soak import KINDS, Mix, Options, Tally, judge
 
 
 def samples(*rows: tuple[float, float, dict[str, float]]) -> list[dict]:
@@ -50,3 +52,11 @@ def test_a_seed_draws_the_same_mix_of_every_kind():
     assert kinds == [b.kind() for _ in range(200)]
     assert [a.body(k) for k in kinds[:50]] == [b.body(k) for k in kinds[:50]]
     assert set(kinds) == {"chat", "stream", "image", "tool", "cancel", "long", "bad"}
+
+
+def test_every_kind_is_dealt_in_the_first_few_requests_and_each_deck_holds_the_mix():
+    mix, deck = Mix("m", seed=5), sum(KINDS.values())
+    kinds = [mix.kind() for _ in range(3 * deck)]
+    assert set(kinds[:len(KINDS)]) == set(KINDS)
+    for start in range(0, len(kinds), deck):
+        assert Counter(kinds[start:start + deck]) == Counter(KINDS)
