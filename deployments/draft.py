@@ -61,9 +61,11 @@ def drafter_factories(config: DraftConfig, draft_model_path: str, target_path: s
         return ContextDSparkDrafter.from_pretrained(draft_model_path, device=device(),
                                                     shared=target_shared_tensors(target_path))
 
+    def suffix(**settings):  # `settings`: fields of draft.suffix to override
+        return SuffixDrafter(dataclasses.replace(config.suffix, **settings))
+
     drafters = {"ngram": lambda: NgramDrafter(min_n=config.ngram_min, max_n=config.ngram_max),
-                "suffix": lambda: SuffixDrafter(config.suffix), "dspark": dspark,
-                "none": NoDrafter}
+                "suffix": suffix, "dspark": dspark, "none": NoDrafter}
     if config.drafter == "dspark_context":  # only then do the proposers send hidden states
         drafters["dspark_context"] = dspark_context
     return drafters
@@ -150,12 +152,16 @@ class DraftService:
         return reply
 
     async def set_drafter(self, name: str, adaptive: bool | None = None,
-                          shard: int | None = None) -> dict:
+                          shard: int | None = None, settings: dict | None = None) -> dict:
         """Switch drafters (all sessions restart from the next step), and adaptive drafting on or
-        off when `adaptive` is given (`draft.adaptive` otherwise); returns `stats()`."""
+        off when `adaptive` is given (`draft.adaptive` otherwise); `settings` override the
+        drafter's configured ones (`suffix` only: fields of `draft.suffix`, e.g.
+        `{"max_spec_factor": 4}`; benchmarks compare them on one engine). Returns `stats()`."""
+        if settings and name != "suffix":
+            raise ValueError(f"drafter {name!r} takes no settings; got {sorted(settings)}")
         policy = self.config.adaptive if adaptive is None else \
             dataclasses.replace(self.config.adaptive, enabled=adaptive)
-        await asyncio.to_thread(self._locked, self.core.set_drafter, name, policy)
+        await asyncio.to_thread(self._locked, self.core.set_drafter, name, policy, settings)
         self.recent_rtt_s.clear()  # `stats()` round trips are the active drafter's
         return await self.stats()
 

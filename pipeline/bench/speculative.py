@@ -5,7 +5,7 @@ Arms: `off` (no speculation); `vllm_ngram` (vLLM's in-engine prompt lookup, `dra
 `draft.mode: service`, with `draft.adaptive` as configured), `service_ngram_fixed` (the same with
 adaptive drafting off: k drafts every step), `service_suffix` (the DraftService's suffix
 drafter; `--suffix-spec-factor F` adds `service_suffix_fF`, the same with
-`draft.suffix.max_spec_factor` F, on an engine of its own), `service_dspark` and `service_none`
+`draft.suffix.max_spec_factor` F), `service_dspark` and `service_none`
 (the service path drafting nothing: the cost of the path by itself); one engine for the service
 arms, switched with `DraftService.set_drafter`.
 Every arm uses the same n-gram sizes and greedy requests, so all arms must produce identical text
@@ -64,6 +64,7 @@ class Arm:
     draft: dict = field(default_factory=dict)  # the engine's `draft` section (over the config's)
     drafter: str | None = None  # service arms: `DraftService.set_drafter(drafter, adaptive)`
     adaptive: bool | None = None  # None: `draft.adaptive` as configured
+    settings: dict | None = None  # the drafter's settings over the config's (`set_drafter`)
 
 
 SERVICE = {"mode": "service", "drafter": "ngram"}
@@ -99,8 +100,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run vLLM's ngram at these k (arms vllm_ngram_kK)")
     parser.add_argument("--suffix-spec-factor", type=float, nargs="*", default=[],
                         help="also run the DraftService's suffix drafter with these "
-                             "draft.suffix.max_spec_factor (arms service_suffix_fF, an engine "
-                             "each)")
+                             "draft.suffix.max_spec_factor (arms service_suffix_fF, on the "
+                             "service arms' engine)")
     parser.add_argument("--hidden-state-steps", type=int, default=20,
                         help="decode steps per batch size (1, 8, 64) of the hidden-state draft "
                              "step measurement (bytes, round trip); 0 skips it")
@@ -169,14 +170,13 @@ def chosen_arms(args) -> dict[str, Arm]:
     """The arms asked for, each engine's draft section with `--num-speculative-tokens` applied."""
     k = {} if args.num_speculative_tokens is None else \
         {"num_speculative_tokens": args.num_speculative_tokens}
-    arms = {name: Arm(a.engine, {**a.draft, **k}, a.drafter, a.adaptive)
-            for name, a in ARMS.items()}
+    arms = {name: dataclasses.replace(a, draft={**a.draft, **k}) for name, a in ARMS.items()}
     for extra in args.vllm_ngram_k:
         arms[f"vllm_ngram_k{extra}"] = Arm(f"vllm_ngram_k{extra}", {
             "mode": "inline", "drafter": "ngram", "num_speculative_tokens": extra})
     for factor in args.suffix_spec_factor:
-        arms[f"service_suffix_f{factor:g}"] = Arm(f"service_suffix_f{factor:g}", {
-            **SERVICE, **k, "suffix": {"max_spec_factor": factor}}, "suffix")
+        arms[f"service_suffix_f{factor:g}"] = Arm("service", {**SERVICE, **k}, "suffix",
+                                                  settings={"max_spec_factor": factor})
     wanted = [a for a in args.arms.split(",") if a] + \
         [f"vllm_ngram_k{k}" for k in args.vllm_ngram_k] + \
         [f"service_suffix_f{f:g}" for f in args.suffix_spec_factor]
@@ -222,7 +222,7 @@ def measure(base_url: str, model: str, workload: Prompts | Sessions, concurrency
         raise RuntimeError("the engine kept its prefix cache: a request was still running")
     workload.warm_up(url, model)  # not counted
     if arm.drafter is not None:
-        draft.set_drafter.remote(arm.drafter, arm.adaptive).result()
+        draft.set_drafter.remote(arm.drafter, arm.adaptive, settings=arm.settings).result()
     before = counters(lm, draft)
     results, texts, wall = workload.run(url, model, concurrency)
     after = counters(lm, draft)

@@ -62,11 +62,16 @@ class DraftCore:
         self.num_context_rows = 0  # hidden-state rows received (dspark_context)
         self.set_drafter(active)
 
-    def set_drafter(self, name: str, adaptive: AdaptivePolicy | None = None) -> None:
-        """Switch to a new drafter `name` (and to `adaptive`, when given)."""
+    def set_drafter(self, name: str, adaptive: AdaptivePolicy | None = None,
+                    settings: dict | None = None) -> None:
+        """Switch to a new drafter `name` (and to `adaptive`, when given), made with `settings`
+        when given (keyword arguments of its factory: the `suffix` drafter takes fields of
+        `draft.suffix`)."""
         if name not in self.factories:
             raise ValueError(f"unknown drafter {name!r}; this service has {sorted(self.factories)}")
-        drafter = self.factories[name]()  # a new one: no cache of earlier requests
+        factory = self.factories[name]
+        # a new one: no cache of earlier requests
+        drafter = factory(**settings) if settings else factory()
         self.active = name
         self.adaptive = adaptive or self.adaptive
         self.sessions = DraftSessions(drafter, self.limits, adaptive=self.adaptive,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 
@@ -31,17 +32,24 @@ def test_arms_share_engines_and_take_the_asked_k(tmp_path):
         assert draft.mode == ("service" if name.startswith("service") else "inline")
 
 
-def test_suffix_factor_arms_run_the_suffix_drafter_on_an_engine_each(tmp_path):
-    args = parse("--arms", "service_suffix", "--suffix-spec-factor", "2", "3.5")
+def test_suffix_factor_arms_share_the_service_engine_and_set_the_factor_per_arm(tmp_path):
+    args = parse("--arms", "service_ngram,service_suffix", "--suffix-spec-factor", "2", "3.5")
     arms = speculative.chosen_arms(args)
-    assert list(arms) == ["service_suffix", "service_suffix_f2", "service_suffix_f3.5"]
-    assert len({a.engine for a in arms.values()}) == 3
-    for name, factor in (("service_suffix", 1.0), ("service_suffix_f2", 2.0),
-                         ("service_suffix_f3.5", 3.5)):
-        path = speculative.arm_config(args.config, arms[name].draft, tmp_path / f"{name}.yaml")
-        draft = load_app_config(path).draft
-        assert (draft.mode, draft.suffix.max_spec_factor) == ("service", factor)
-        assert arms[name].drafter == "suffix"
+    assert list(arms) == ["service_ngram", "service_suffix", "service_suffix_f2",
+                          "service_suffix_f3.5"]
+    assert {a.engine for a in arms.values()} == {"service"}
+    assert [(a.drafter, a.settings) for a in arms.values()] == [
+        ("ngram", None), ("suffix", None), ("suffix", {"max_spec_factor": 2.0}),
+        ("suffix", {"max_spec_factor": 3.5})]
+    from moonserve.deployments.draft import drafter_factories
+
+    config = load_app_config(args.config).draft
+    factory = drafter_factories(config, str(tmp_path), "/target")["suffix"]
+    assert factory().settings == config.suffix
+    assert factory(max_spec_factor=3.5).settings == \
+        dataclasses.replace(config.suffix, max_spec_factor=3.5)
+    with pytest.raises(ValueError, match="max_spec"):
+        factory(max_spec=2)
 
 
 def test_unknown_arm_is_refused_by_name():

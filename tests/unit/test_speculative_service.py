@@ -105,6 +105,15 @@ def test_switching_to_the_suffix_drafter_again_forgets_earlier_responses():
     assert step(c, [["c", 0, [9, 40, 41, 42]]])[0]["drafts"] == [[]]
 
 
+def test_a_drafter_is_made_with_the_settings_set_drafter_is_given():
+    from moonserve.pipeline.speculative.suffix import SuffixDrafter, SuffixSettings
+
+    c = DraftCore({"suffix": lambda **s: SuffixDrafter(SuffixSettings(**s))}, "suffix")
+    assert c.sessions.drafter.settings.max_spec_factor == 1.0
+    c.set_drafter("suffix", settings={"max_spec_factor": 4.0})
+    assert c.sessions.drafter.settings.max_spec_factor == 4.0
+
+
 def test_the_step_threshold_from_the_engines_load_sets_each_requests_depth():
     """With no evidence a request's p is 0.5: the configured 0.3 allows one draft; the engine's
     0.1 allows three (0.5 ** 3 >= 0.1); past 1 only a probe goes out, then a pause that the
