@@ -4,11 +4,11 @@ Starts `moonserve serve` on `--config` and runs `--concurrency` closed-loop clie
 `--duration-s` (default 20 minutes). Each client takes its next request's kind from a dealt deck
 (KINDS, by weight): whole and streamed chat, an image (a PNG made with Pillow: from a pool of
 IMAGE_POOL, or a small new one), a forced tool call, a stream the client hangs up on after its
-first token, a long prompt (the long-context lane), and a bad request (a malformed body or a broken image,
-pipeline/bench/corpus.py). Every `--sample-s` it records each server process's RSS (psutil, the
-whole process tree: Ray's daemons, the replicas, vLLM's engine cores) and the bytes in Ray's object
-store (the node's `ray_object_store_memory` metric). After the load, the object store is polled
-until it is back to its level before the load (`--settle-s` at most).
+first token, a long prompt (the long-context lane), and a bad request (a malformed body or a
+broken image, pipeline/bench/corpus.py). Every `--sample-s` it records each server process's RSS
+(psutil, the whole process tree: Ray's daemons, the replicas, vLLM's engine cores) and the bytes
+in Ray's object store (the node's `ray_object_store_memory` metric). After the load, the object
+store is polled until it is back to its level before the load (`--settle-s` at most).
 
 Goals (exit status 1 when one fails):
 - after `--warmup-s`, no process's RSS grows more than 10% (its sample at the end of the warm-up
