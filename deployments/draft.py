@@ -152,16 +152,19 @@ class DraftService:
         return reply
 
     async def set_drafter(self, name: str, adaptive: bool | None = None,
-                          shard: int | None = None, settings: dict | None = None) -> dict:
-        """Switch drafters (all sessions restart from the next step), and adaptive drafting on or
-        off when `adaptive` is given (`draft.adaptive` otherwise); `settings` override the
-        drafter's configured ones (`suffix` only: fields of `draft.suffix`, e.g.
-        `{"max_spec_factor": 4}`; benchmarks compare them on one engine). Returns `stats()`."""
+                          shard: int | None = None, settings: dict | None = None,
+                          prefetch: bool | None = None) -> dict:
+        """Switch drafters (all sessions restart from the next step), and adaptive drafting and
+        prefetching on or off when `adaptive` / `prefetch` are given (`draft.adaptive` and
+        `draft.prefetch` otherwise); `settings` override the drafter's configured ones (`suffix`
+        only: fields of `draft.suffix`, e.g. `{"max_spec_factor": 4}`). Benchmarks compare these
+        on one engine. Returns `stats()`."""
         if settings and name != "suffix":
             raise ValueError(f"drafter {name!r} takes no settings; got {sorted(settings)}")
         policy = self.config.adaptive if adaptive is None else \
             dataclasses.replace(self.config.adaptive, enabled=adaptive)
-        await asyncio.to_thread(self._locked, self.core.set_drafter, name, policy, settings)
+        await asyncio.to_thread(self._locked, self.core.set_drafter, name, policy, settings,
+                                self.config.prefetch if prefetch is None else prefetch)
         self.recent_rtt_s.clear()  # `stats()` round trips are the active drafter's
         return await self.stats()
 

@@ -5,7 +5,8 @@ Arms: `off` (no speculation); `vllm_ngram` (vLLM's in-engine prompt lookup, `dra
 `draft.mode: service`, with `draft.adaptive` as configured), `service_ngram_fixed` (the same with
 adaptive drafting off: k drafts every step), `service_suffix` (the DraftService's suffix
 drafter; `--suffix-spec-factor F` adds `service_suffix_fF`, the same with
-`draft.suffix.max_spec_factor` F), `service_dspark` and `service_none`
+`draft.suffix.max_spec_factor` F), `service_suffix_noprefetch` (the same with prefetching off:
+every draft made on the step's path), `service_dspark` and `service_none`
 (the service path drafting nothing: the cost of the path by itself); one engine for the service
 arms, switched with `DraftService.set_drafter`.
 Every arm uses the same n-gram sizes and greedy requests, so all arms must produce identical text
@@ -65,6 +66,7 @@ class Arm:
     drafter: str | None = None  # service arms: `DraftService.set_drafter(drafter, adaptive)`
     adaptive: bool | None = None  # None: `draft.adaptive` as configured
     settings: dict | None = None  # the drafter's settings over the config's (`set_drafter`)
+    prefetch: bool | None = None  # None: `draft.prefetch` as configured
 
 
 SERVICE = {"mode": "service", "drafter": "ngram"}
@@ -74,6 +76,7 @@ ARMS = {
     "service_ngram_fixed": Arm("service", SERVICE, "ngram", adaptive=False),
     "service_ngram": Arm("service", SERVICE, "ngram"),
     "service_suffix": Arm("service", SERVICE, "suffix"),
+    "service_suffix_noprefetch": Arm("service", SERVICE, "suffix", prefetch=False),
     "service_dspark": Arm("service", SERVICE, "dspark"),
     # The service path with no drafts at all: what speculation costs a step by itself.
     "service_none": Arm("service", SERVICE, "none"),
@@ -222,7 +225,8 @@ def measure(base_url: str, model: str, workload: Prompts | Sessions, concurrency
         raise RuntimeError("the engine kept its prefix cache: a request was still running")
     workload.warm_up(url, model)  # not counted
     if arm.drafter is not None:
-        draft.set_drafter.remote(arm.drafter, arm.adaptive, settings=arm.settings).result()
+        draft.set_drafter.remote(arm.drafter, arm.adaptive, settings=arm.settings,
+                                 prefetch=arm.prefetch).result()
     before = counters(lm, draft)
     results, texts, wall = workload.run(url, model, concurrency)
     after = counters(lm, draft)

@@ -63,10 +63,10 @@ class DraftCore:
         self.set_drafter(active)
 
     def set_drafter(self, name: str, adaptive: AdaptivePolicy | None = None,
-                    settings: dict | None = None) -> None:
-        """Switch to a new drafter `name` (and to `adaptive`, when given), made with `settings`
-        when given (keyword arguments of its factory: the `suffix` drafter takes fields of
-        `draft.suffix`)."""
+                    settings: dict | None = None, prefetch: bool | None = None) -> None:
+        """Switch to a new drafter `name` (and to `adaptive` and `prefetch`, when given), made
+        with `settings` when given (keyword arguments of its factory: the `suffix` drafter takes
+        fields of `draft.suffix`)."""
         if name not in self.factories:
             raise ValueError(f"unknown drafter {name!r}; this service has {sorted(self.factories)}")
         factory = self.factories[name]
@@ -74,6 +74,8 @@ class DraftCore:
         drafter = factory(**settings) if settings else factory()
         self.active = name
         self.adaptive = adaptive or self.adaptive
+        if prefetch is not None:
+            self.prefetch_enabled = prefetch
         self.sessions = DraftSessions(drafter, self.limits, adaptive=self.adaptive,
                                       on_verified=self.accepted.append)
 

@@ -32,15 +32,16 @@ def test_arms_share_engines_and_take_the_asked_k(tmp_path):
         assert draft.mode == ("service" if name.startswith("service") else "inline")
 
 
-def test_suffix_factor_arms_share_the_service_engine_and_set_the_factor_per_arm(tmp_path):
-    args = parse("--arms", "service_ngram,service_suffix", "--suffix-spec-factor", "2", "3.5")
+def test_suffix_arms_share_the_service_engine_and_set_factor_and_prefetch_per_arm(tmp_path):
+    args = parse("--arms", "service_ngram,service_suffix,service_suffix_noprefetch",
+                 "--suffix-spec-factor", "2", "3.5")
     arms = speculative.chosen_arms(args)
-    assert list(arms) == ["service_ngram", "service_suffix", "service_suffix_f2",
-                          "service_suffix_f3.5"]
+    assert list(arms) == ["service_ngram", "service_suffix", "service_suffix_noprefetch",
+                          "service_suffix_f2", "service_suffix_f3.5"]
     assert {a.engine for a in arms.values()} == {"service"}
-    assert [(a.drafter, a.settings) for a in arms.values()] == [
-        ("ngram", None), ("suffix", None), ("suffix", {"max_spec_factor": 2.0}),
-        ("suffix", {"max_spec_factor": 3.5})]
+    assert [(a.drafter, a.settings, a.prefetch) for a in arms.values()] == [
+        ("ngram", None, None), ("suffix", None, None), ("suffix", None, False),
+        ("suffix", {"max_spec_factor": 2.0}, None), ("suffix", {"max_spec_factor": 3.5}, None)]
     from moonserve.deployments.draft import drafter_factories
 
     config = load_app_config(args.config).draft

@@ -73,12 +73,18 @@ def test_prefetch_answers_a_fully_accepted_step_and_counts_acceptance():
     assert obs.prefetch_misses == 1 and obs.accepted == [1]
 
 
-def test_without_prefetch_nothing_is_prefetched():
-    c = core(prefetch=False)
+@pytest.mark.parametrize("how", ["configured", "switched"])
+def test_without_prefetch_nothing_is_prefetched(how):
+    c = core(prefetch=how == "switched")
+    if how == "switched":
+        c.set_drafter("ngram", prefetch=False)
     step(c, [["a", 0, COPY]])
     assert c.prefetch() == 0
     _, obs = step(c, [["a", len(COPY), [10, 11, 12, 13]]])
     assert obs.prefetch_hits == 0 and obs.accepted == [3]
+    c.set_drafter("ngram", prefetch=True)
+    step(c, [["a", 0, COPY]])
+    assert c.prefetch() == 1
 
 
 def test_release_and_switching_drafters_drop_sessions():
