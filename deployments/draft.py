@@ -159,8 +159,6 @@ class DraftService:
         `draft.prefetch` otherwise); `settings` override the drafter's configured ones (`suffix`
         only: fields of `draft.suffix`, e.g. `{"max_spec_factor": 4}`). Benchmarks compare these
         on one engine. Returns `stats()`."""
-        if settings and name != "suffix":
-            raise ValueError(f"drafter {name!r} takes no settings; got {sorted(settings)}")
         policy = self.config.adaptive if adaptive is None else \
             dataclasses.replace(self.config.adaptive, enabled=adaptive)
         await asyncio.to_thread(self._locked, self.core.set_drafter, name, policy, settings,

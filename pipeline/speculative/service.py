@@ -70,8 +70,12 @@ class DraftCore:
         if name not in self.factories:
             raise ValueError(f"unknown drafter {name!r}; this service has {sorted(self.factories)}")
         factory = self.factories[name]
-        # a new one: no cache of earlier requests
-        drafter = factory(**settings) if settings else factory()
+        try:  # a new one: no cache of earlier requests
+            drafter = factory(**settings) if settings else factory()
+        except TypeError as exc:
+            if not settings:
+                raise
+            raise ValueError(f"drafter {name!r} takes no settings {sorted(settings)}") from exc
         self.active = name
         self.adaptive = adaptive or self.adaptive
         if prefetch is not None:

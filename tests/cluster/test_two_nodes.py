@@ -121,13 +121,20 @@ def app(cluster, tmp_path_factory):
         process.stop()
 
 
-def lm_counter(address: str, key: str) -> dict[str, int]:
-    """In the `lm_counts` child: one counter of each LanguageModel replica's `stats()`."""
+def join(address: str) -> None:
+    """Join the cluster from a child process started with `cluster.env` (Ray reads the token from
+    the environment the process started with), once per process."""
     import ray
-    from ray import serve
 
     if not ray.is_initialized():
         ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+
+
+def lm_counter(address: str, key: str) -> dict[str, int]:
+    """In the `lm_counts` child: one counter of each LanguageModel replica's `stats()`."""
+    from ray import serve
+
+    join(address)
     handle = serve.get_deployment_handle("LanguageModel", app_name=APP)
     return {name: stats[key] for name, stats in replica_stats(handle, 2).items()}
 
@@ -138,8 +145,7 @@ def ongoing_requests(address: str, actor_names: list[str]) -> dict[str, int]:
     handle sends every call to the lighter replica, so `replica_stats` may never reach the other."""
     import ray
 
-    if not ray.is_initialized():
-        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    join(address)
     return {name: ray.get(ray.get_actor(name, namespace="serve").get_num_ongoing_requests.remote())
             for name in actor_names}
 
@@ -488,13 +494,12 @@ def deploy_session_routers(address: str, database: str, http_port: int) -> None:
     """Run in a child joined to the cluster: a second Router app at `/sessions`, two replicas
     (one per node: `max_replicas_per_node: 1`), its stored turns in `database`, bound to the app's
     LanguageModel (no third engine)."""
-    import ray
     from ray import serve
 
     from moonserve.deployments.builder import bind_router, resolve_model_path
     from moonserve.pipeline.config import AppConfig
 
-    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    join(address)
     args = two_node_config(http_port)["applications"][0]["args"]
     args["router"]["deployment"] = {"num_replicas": 2, "max_replicas_per_node": 1,
                                     "max_ongoing_requests": 256}
@@ -507,10 +512,9 @@ def deploy_session_routers(address: str, database: str, http_port: int) -> None:
 
 
 def delete_session_routers(address: str) -> None:
-    import ray
     from ray import serve
 
-    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    join(address)
     serve.delete(SESSIONS)
 
 

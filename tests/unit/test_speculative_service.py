@@ -118,6 +118,10 @@ def test_a_drafter_is_made_with_the_settings_set_drafter_is_given():
     assert c.sessions.drafter.settings.max_spec_factor == 1.0
     c.set_drafter("suffix", settings={"max_spec_factor": 4.0})
     assert c.sessions.drafter.settings.max_spec_factor == 4.0
+    c.factories["ngram"] = lambda: NgramDrafter(2, 3)
+    with pytest.raises(ValueError, match="drafter 'ngram' takes no settings"):
+        c.set_drafter("ngram", settings={"max_spec_factor": 4.0})
+    assert c.active == "suffix"
 
 
 def test_the_step_threshold_from_the_engines_load_sets_each_requests_depth():
