@@ -2,17 +2,22 @@
 
 Every streamed request is reported three ways: the request itself (`POST chat [<lane>]`,
 `POST chat+image [interactive]`), its time to first token (`TTFT <lane>`) and its inter-token
-gaps (`ITL <lane>`), so Locust's tables, CSV and HTML report show TTFT and ITL percentiles per
-lane. A 429/503 answer is a failure named
-"rejected" with its Retry-After. The run's exit code is 1 when a threshold fails
+gaps (`ITL <lane>`), so Locust's tables, JSON, CSV and HTML reports show TTFT and ITL
+percentiles per lane. A 429/503 answer is a failure named "rejected" with its Retry-After; a
+stream the server cuts is a failure named "stream broke". The run's exit code is 1 when a
+threshold fails
 (`--max-error-ratio`, `--max-ttft-p99-ms`, `--max-long-ttft-p99-ms`), so CI can gate on it.
 
 Headless, time-bounded (a load shape from loadtest/shapes.py is optional):
 
-    locust -f loadtest/locustfile.py --headless -u 8 -r 4 -t 60s --host http://127.0.0.1:8000 \\
-        --csv out/run --html out/report.html --max-error-ratio 0.01 --max-ttft-p99-ms 2000
+    locust -f loadtest/locustfile.py --headless -u 8 -r 4 -t 60s --stop-timeout 120 \\
+        --host http://127.0.0.1:8000 --json-file out/run --html out/report.html \\
+        --max-error-ratio 0.01 --max-ttft-p99-ms 2000
     locust -f loadtest/locustfile.py,loadtest/shapes.py --load-shape mixed -u 12 --shape-seconds 120 \\
-        --headless --host http://127.0.0.1:8000 --csv out/mixed
+        --headless --host http://127.0.0.1:8000 --json-file out/mixed
+
+The final figures are in out/run.json, written once every user has stopped (a CSV from --csv is
+rewritten every second or two and can miss the run's last requests).
 """
 
 from __future__ import annotations
@@ -83,7 +88,10 @@ class StreamingChatUser(HttpUser):
             if response.status_code != 200:
                 response.failure(rejection(response))
                 return
-            error = self.read_stream(response, began)
+            try:
+                error = self.read_stream(response, began)
+            except (OSError, ValueError) as e:  # a cut stream (requests' errors are OSErrors)
+                error = f"stream broke: {type(e).__name__}: {e}"
             if error:
                 response.failure(error)
 
