@@ -5,8 +5,8 @@ Every streamed request is reported three ways: the request itself (`POST chat [<
 gaps (`ITL <lane>`), so Locust's tables, JSON, CSV and HTML reports show TTFT and ITL
 percentiles per lane. A 429/503 answer is a failure named "rejected" with its Retry-After; a
 stream the server cuts is a failure named "stream broke". The run's exit code is 1 when a
-threshold fails
-(`--max-error-ratio`, `--max-ttft-p99-ms`, `--max-long-ttft-p99-ms`), so CI can gate on it.
+threshold fails (`--max-error-ratio`, `--max-ttft-p99-ms`, `--max-long-ttft-p99-ms`), so CI can
+gate on it.
 
 Headless, time-bounded (a load shape from loadtest/shapes.py is optional):
 
