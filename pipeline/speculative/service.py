@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -70,12 +71,12 @@ class DraftCore:
         if name not in self.factories:
             raise ValueError(f"unknown drafter {name!r}; this service has {sorted(self.factories)}")
         factory = self.factories[name]
-        try:  # a new one: no cache of earlier requests
-            drafter = factory(**settings) if settings else factory()
-        except TypeError as exc:
-            if not settings:
-                raise
-            raise ValueError(f"drafter {name!r} takes no settings {sorted(settings)}") from exc
+        if settings:  # asked of the factory's signature: a TypeError inside it stays one
+            try:
+                inspect.signature(factory).bind(**settings)
+            except TypeError as exc:
+                raise ValueError(f"drafter {name!r} takes no settings {sorted(settings)}") from exc
+        drafter = factory(**(settings or {}))  # a new one: no cache of earlier requests
         self.active = name
         self.adaptive = adaptive or self.adaptive
         if prefetch is not None:

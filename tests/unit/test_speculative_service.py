@@ -123,6 +123,13 @@ def test_a_drafter_is_made_with_the_settings_set_drafter_is_given():
         c.set_drafter("ngram", settings={"max_spec_factor": 4.0})
     assert c.active == "suffix"
 
+    def broken(**settings):  # takes settings, fails inside: its own error, not "takes no settings"
+        raise TypeError("a bug in the factory")
+
+    c.factories["suffix"] = broken
+    with pytest.raises(TypeError, match="a bug in the factory"):
+        c.set_drafter("suffix", settings={"max_spec_factor": 4.0})
+
 
 def test_the_step_threshold_from_the_engines_load_sets_each_requests_depth():
     """With no evidence a request's p is 0.5: the configured 0.3 allows one draft; the engine's
