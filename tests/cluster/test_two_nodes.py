@@ -182,6 +182,18 @@ def wait_for_replicas(cluster: TwoNodeCluster, deployment: str, n: int, timeout_
         time.sleep(2)
 
 
+def wait_for_one_replica_per_node(cluster: TwoNodeCluster, deployment: str,
+                                  timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        nodes = sorted(node_ids(cluster))
+        placed = sorted(r["node_id"] for r in running(cluster, deployment))
+        if placed == nodes:
+            return
+        assert time.monotonic() < deadline, f"{deployment}: running on {placed}, nodes {nodes}"
+        time.sleep(2)
+
+
 def node_ids(cluster: TwoNodeCluster) -> tuple[str, str]:
     """(head, worker) node ids of the live nodes."""
     nodes = cluster.alive_nodes()
@@ -329,22 +341,20 @@ async def test_each_responses_session_stays_on_one_replica(lm_counts, app):
             assert sorted(after[name] - before.get(name, 0) for name in after) == [0, 3], k
 
 
-async def test_killing_the_worker_node_under_load_loses_no_request(cluster, app, prometheus):
+async def test_killing_the_worker_node_under_load_loses_no_request(cluster, app, lm_counts):
     streams, stream_tokens = 6, 200
     async with httpx.AsyncClient(timeout=httpx.Timeout(300, connect=10)) as http:
         started = [asyncio.Event() for _ in range(streams)]
         long = [asyncio.create_task(chat(http, app, f"Tell story {k}.", stream_tokens, e))
                 for k, e in enumerate(started)]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 240)
-        # Both engines are decoding some of them (Prometheus, per node).
-        deadline = time.monotonic() + 60
-        while True:
-            busy = {i for i, v in per_instance(prometheus, "ray_vllm_num_requests_running")
-                    .items() if v > 0}
-            if lm_instances(cluster) <= busy:
-                break
-            assert time.monotonic() < deadline, busy
-            await asyncio.sleep(1)
+        # Both replicas hold some of them, asked of the replica actors themselves: Prometheus's
+        # view lags by Ray's 10 s metrics report, and on a fast machine the streams can end
+        # inside that lag (CI, stop 49: no node seen busy in 60 s).
+        replicas = await asyncio.to_thread(running, cluster, "LanguageModel")
+        ongoing = await asyncio.to_thread(lm_counts.ongoing, [r["actor_name"] for r in replicas])
+        assert len(ongoing) == 2 and all(n > 0 for n in ongoing.values()), \
+            (ongoing, [t.done() for t in long])
 
         cluster.worker.kill_raylet()
         killed_at = time.monotonic()
@@ -383,12 +393,10 @@ async def test_killing_the_worker_node_under_load_loses_no_request(cluster, app,
 
 async def test_the_node_rejoins_and_both_replicas_serve_again(cluster, app, prometheus):
     await asyncio.to_thread(cluster.rejoin_worker)
-    await asyncio.to_thread(wait_for_replicas, cluster, "LanguageModel", 2, 300)
-    await asyncio.to_thread(wait_for_replicas, cluster, "DraftService", 2, 120)
-    head, worker = node_ids(cluster)
-    for deployment in ("LanguageModel", "DraftService"):
-        assert sorted(r["node_id"] for r in running(cluster, deployment)) == \
-            sorted([head, worker]), deployment
+    # One running replica on each live node. Serve can still list a replica of the old worker
+    # as running (with no node id) while it notices the node is gone, so a count is not enough.
+    await asyncio.to_thread(wait_for_one_replica_per_node, cluster, "LanguageModel", 300)
+    await asyncio.to_thread(wait_for_one_replica_per_node, cluster, "DraftService", 120)
     done = "sum by (instance) (ray_vllm_request_success_total)"
     # Steps each DraftService shard drafted, by node (a shard sent elsewhere while its replica
     # was down has gone home: the resolvers ask again every 10 s).
