@@ -27,6 +27,12 @@ def test_worth_drafting_is_the_deepest_draft_still_likely_enough(p, expected):
     assert k == 8 or p ** (k + 1) < 0.3
 
 
+@pytest.mark.parametrize("p", [0.0, 0.1, 0.9])
+def test_a_step_that_verifies_every_slot_anyway_asks_for_full_depth(p):
+    """min_acceptance 0 (model runner V2 verifies k drafts in every row): every draft is worth it."""
+    assert worth_drafting(p, 0.0, 8) == 8
+
+
 def test_no_evidence_drafts_one_and_a_copying_request_soon_drafts_the_most():
     acceptance = Acceptance()
     depths = []
