@@ -175,7 +175,9 @@ class EngineConfig(StrictModel):
         "vLLM's automatic prefix caching: prompts that share a prefix reuse its KV cache."))
     enforce_eager: bool = Field(False, description=(
         "vLLM's `enforce_eager`: no compiled graphs (also for the encoder engine); "
-        "`draft.drafter: dspark_context` needs it, its forward hooks skip compiled graphs."))
+        "`draft.drafter: dspark_context` needs it on vLLM's model runner V1 (the CPU build), "
+        "whose forward hooks skip compiled graphs; on V2 (GPUs) the target returns the hidden "
+        "states itself."))
     scheduling_policy: Literal["fcfs", "priority"] = Field("priority", description=(
         "vLLM's scheduling policy: `priority` runs lower `priority` first (the router's lanes "
         "set it), `fcfs` arrival order; both shipped configs use `priority`."))
@@ -709,7 +711,8 @@ class DraftConfig(StrictModel):
       Drafters: `ngram` (prompt lookup), `dspark` (the DSpark model over tokens only; `embedded`
       by default), `dspark_context` (a K3 DSpark checkpoint at `model`, drafting from the
       target's hidden states at its `target_layer_ids`, which the proposer sends with each step;
-      needs `language_model.engine.enforce_eager`: the proposer reads them with forward hooks).
+      on vLLM's model runner V1, the CPU build's, it needs `language_model.engine.enforce_eager`:
+      the proposer reads them with forward hooks; on V2, GPUs, the target returns them).
     - `inline`: vLLM's own in-engine method: `dspark` (the separate DSpark draft checkpoint named by
       `model`, a `K3DSparkModel`; GPU only, production) or `ngram` (prompt lookup in the engine;
       the benchmark's baseline).
@@ -1001,11 +1004,6 @@ class AppConfig(StrictModel):
             raise ValueError("vision.handover encoder_cache needs a model vLLM serves as "
                              "multimodal (Kimi K2.5, K3) in language_model.engine.model; the "
                              "embedded model is text-only: use vision.handover: prompt_embeds")
-        if self.draft.drafter == "dspark_context" and \
-                not self.language_model.engine.enforce_eager:
-            raise ValueError("draft.drafter dspark_context needs language_model.engine."
-                             "enforce_eager: true (the proposer reads the target's hidden states "
-                             "with forward hooks, which a compiled graph skips)")
         if self.draft.mode == "inline" and self.draft.drafter == "dspark" and \
                 self.language_model.engine.model == EMBEDDED_MODEL:
             raise ValueError("draft.mode inline with drafter dspark needs a target checkpoint that "

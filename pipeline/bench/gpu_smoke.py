@@ -11,10 +11,12 @@ Checks, in order (each prints {"check", "status": passed|failed|skipped, ...} on
    pipeline/synthetic_checkpoints/k3_random_weights.py (`SMOKE_DIMS`); the K3 one must pass
    `moonserve check-checkpoint` at TP=1, both must load as vLLM's KimiK3Config / K3DSparkConfig.
 3. <profile>:config.serve, for each profile (`PROFILES`: pro = configs/mi355x-k3.1-pro.yaml,
-   recipe = configs/mi355x-k3.1-recipe.yaml; pro-tp2 where two GPUs exist): that config with
+   recipe = configs/mi355x-k3.1-recipe.yaml; pro-service and pro-service-context = pro with the
+   DraftService path, an n-gram or a dspark_context drafter beside the LM, `VARIANT_DRAFTS`;
+   pro-tp2 where two GPUs exist): that config with
    small-GPU overrides (`smoke_app_args`): TP=1 (pro-tp2: TP=2 on vLLM's Ray executor), DCP=1,
    max_model_len 8192, one bundle per rank, the tiny paths, an API key, ROCm variables dropped,
-   a greedy draft, the ImageProbe worker extension; validated by AppConfig and written as a Ray
+   a greedy draft, the WorkerProbe worker extension; validated by AppConfig and written as a Ray
    Serve config file.
 4. kernel.*: `python -m moonserve.kernels.{vision_attention,patchify,mxfp4}.gpu_check`,
    `python -m moonserve.pipeline.bench.vision_encoder_gpu`, `pytest -m gpu tests/kernels`, each a
@@ -27,13 +29,18 @@ Checks, in order (each prints {"check", "status": passed|failed|skipped, ...} on
    - serve.encoder_after_lm: the VisionEncoder (autoscaling from 0 replicas) had none before the
      first image, so that image starts it on a GPU where the LM already holds its memory;
    - serve.image_tower: the LM's engine ran its vision tower 0 times for the image (the
-     VisionEncoder encoded it; `ImageProbe`), and its prefill had image rows;
+     VisionEncoder encoded it; `WorkerProbe`), and its prefill had image rows;
    - serve.tools: a call to the named tool whose arguments are valid against its JSON schema;
    - serve.drafts: vLLM's spec-decode counters (the replica's `stats`): drafts proposed,
      draft tokens, and accepted tokens all above 0. The checkpoints have constant logits (their LM
      head and the draft's Markov head are zero, `k3_random_weights.LOGIT_TENSORS`) and the draft
      samples greedily, so greedy target and draft agree and acceptance is certain on random
-     weights: 0 accepted means the verification path is broken, not the weights.
+     weights: 0 accepted means the verification path is broken, not the weights;
+   - serve.v2_speculator (pro-service*): every engine worker runs vLLM's model runner V2 with
+     moonserve's `ServiceSpeculator` (pipeline/engine/speculator_v2.py) and decode CUDA graphs,
+     as `WorkerProbe.runner_report` says; vLLM falling back to V1 or to eager fails it;
+   - serve.context_rows (pro-service-context): the DraftService got one hidden-state row for
+     every token of a text chat but its newest (the target's aux hidden states, compiled).
 
 `--dry-run` (CPU is enough) does 2 and 3 only. The summary (every line, device, wall time) goes to
 `--out`, default $OUT/gpu_smoke.json when $OUT is set. Exit status: 0 every check passed or was
@@ -64,7 +71,19 @@ REPO = Path(__file__).resolve().parents[2]
 PRODUCTION_CONFIG = REPO / "configs" / "mi355x-k3.1-pro.yaml"
 RECIPE_CONFIG = REPO / "configs" / "mi355x-k3.1-recipe.yaml"
 PROFILES = {"pro": PRODUCTION_CONFIG, "recipe": RECIPE_CONFIG}
-PROBE = "moonserve.pipeline.engine.worker_probe.ImageProbe"
+# The DraftService path (draft.mode service) on model runner V2 (`ServiceSpeculator`): an n-gram
+# drafter needs no GPU of its own, so it runs beside the LM on a one-GPU machine.
+# pro-service-context: the DSpark drafter over the target's hidden states (`dspark_context`, the
+# tiny draft checkpoint, on the DraftService's CPU), which V2 takes from the compiled target; a
+# deadline a CPU drafter meets, so no step's rows are sent twice.
+VARIANT_DRAFTS = {
+    "pro-service": {"mode": "service", "drafter": "ngram", "num_gpus": 0},
+    "pro-service-context": {"mode": "service", "drafter": "dspark_context", "num_gpus": 0,
+                            "deadline_ms": 1000},
+}
+V2_RUNNER = "vllm.v1.worker.gpu.model_runner.GPUModelRunner"
+PROBE = "moonserve.pipeline.engine.worker_probe.WorkerProbe"
+SERVICE_SPECULATOR = "moonserve.pipeline.engine.speculator_v2.ServiceSpeculator"
 API_KEY = "gpu-smoke-key"
 SERVED_NAME = "kimi-k3-tiny"
 MAX_MODEL_LEN = 8192
@@ -189,11 +208,12 @@ def record_dspark_checkpoint(rec: Recorder, dspark_dir: Path) -> bool:
 
 
 def smoke_app_args(production: dict, k3_dir: Path, dspark_dir: Path,
-                   kv_cache_dtype: str | None = None,
-                   tensor_parallel_size: int = 1) -> tuple[dict, list[str]]:
+                   kv_cache_dtype: str | None = None, tensor_parallel_size: int = 1,
+                   draft: dict | None = None) -> tuple[dict, list[str]]:
     """A production profile's `args` made to fit `tensor_parallel_size` small GPUs; returns
     (args, dropped env names). The draft is the tiny K3 DSpark one in every profile, sampling
-    greedily (with the constant logits of the smoke checkpoints, every draft is then accepted)."""
+    greedily (with the constant logits of the smoke checkpoints, every draft is then accepted);
+    `draft` overrides the profile's draft settings (`VARIANT_DRAFTS`)."""
     args = copy.deepcopy(production)
     router = args.setdefault("router", {})
     router["auth"] = {"enabled": True, "api_keys": [API_KEY]}
@@ -218,19 +238,20 @@ def smoke_app_args(production: dict, k3_dir: Path, dspark_dir: Path,
         encoder.setdefault("deployment", {})["autoscaling"] = {
             "min_replicas": 0, "max_replicas": 1, "upscale_delay_s": 0}
         args["vision"].setdefault("preprocessor", {})["deployment"] = {"num_cpus": 1}
-    args.setdefault("draft", {}).update(model=str(dspark_dir), draft_sample_method="greedy")
+    args.setdefault("draft", {}).update(model=str(dspark_dir), draft_sample_method="greedy",
+                                        **(draft or {}))
     return args, dropped
 
 
 def write_serve_config(rec: Recorder, workdir: Path, k3_dir: Path, dspark_dir: Path,
                        port: int, source: Path = PRODUCTION_CONFIG,
                        kv_cache_dtype: str | None = None, profile: str = "pro",
-                       tensor_parallel_size: int = 1) -> Path | None:
+                       tensor_parallel_size: int = 1, draft: dict | None = None) -> Path | None:
     """Validate one profile's small-GPU app config and write it as a Ray Serve config file."""
     data = load_serve_config(source)
     app = dict(data["applications"][0])
     args, dropped = smoke_app_args(app.get("args") or {}, k3_dir, dspark_dir, kv_cache_dtype,
-                                   tensor_parallel_size)
+                                   tensor_parallel_size, draft)
     try:
         config = AppConfig.model_validate(args)
     except ValueError as exc:
@@ -314,8 +335,8 @@ import json, sys
 import ray
 from ray import serve
 ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
-lm = serve.get_deployment_handle("LanguageModel", app_name=sys.argv[1])
-print(json.dumps(getattr(lm, sys.argv[2]).remote(*json.loads(sys.argv[3])).result(
+handle = serve.get_deployment_handle(sys.argv[4], app_name=sys.argv[1])
+print(json.dumps(getattr(handle, sys.argv[2]).remote(*json.loads(sys.argv[3])).result(
     timeout_s=120), default=str))
 """
 
@@ -346,9 +367,10 @@ def judge_encoder_after_lm(running: dict[str, int]) -> tuple[bool, dict]:
         "reason": "the VisionEncoder was up before the first image (min_replicas 0 expected)"})}
 
 
-def serve_call(app_name: str, method: str, *args) -> object:
-    child = subprocess.run([sys.executable, "-c", SERVE_CALL, app_name, method, json.dumps(args)],
-                           cwd=REPO, capture_output=True, text=True, timeout=180, check=True)
+def serve_call(app_name: str, method: str, *args, deployment: str = "LanguageModel") -> object:
+    child = subprocess.run([sys.executable, "-c", SERVE_CALL, app_name, method, json.dumps(args),
+                            deployment], cwd=REPO, capture_output=True, text=True, timeout=180,
+                           check=True)
     return json.loads(child.stdout.strip().splitlines()[-1])
 
 
@@ -392,7 +414,7 @@ def judge_tool_call(reply, tool: dict) -> tuple[bool, dict]:
 
 
 def judge_tower(report: dict) -> tuple[bool, dict]:
-    """The LM engine's ImageProbe report after one image request: the tower never ran, and the
+    """The LM engine's WorkerProbe report after one image request: the tower never ran, and the
     image's rows reached the language model (from the VisionEncoder's stored output)."""
     prefills = report.get("prefills") or []
     ok = report.get("encoder_calls") == 0 and bool(prefills) and bool(prefills[0]["image_rows"])
@@ -409,6 +431,26 @@ def judge_drafts(stats: dict) -> tuple[bool, dict]:
     ok = all(value > 0 for value in counters.values())
     return ok, {**counters, **({} if ok else {"reason": "no drafts proposed or none accepted "
                                                         "(with constant logits all should be)"})}
+
+
+def judge_speculator(reports: list[dict]) -> tuple[bool, dict]:
+    """Every engine worker runs vLLM's model runner V2 with moonserve's `ServiceSpeculator`, and
+    its decode steps use CUDA graphs (vLLM did not fall back to V1 or to eager)."""
+    ok = bool(reports) and all(
+        r["model_runner_mro"].count(V2_RUNNER) == 1 and r["speculator"] == SERVICE_SPECULATOR
+        and r["cudagraph_mode"] not in (None, "NONE") for r in reports)
+    return ok, {"workers": reports, **({} if ok else {
+        "reason": f"not {SERVICE_SPECULATOR} on {V2_RUNNER} with CUDA graphs in every worker"})}
+
+
+def judge_context_rows(before: dict, after: dict, usage) -> tuple[bool, dict]:
+    """The DraftService got one hidden-state row for every token of a request but its newest
+    (the draft's anchor): what the target accepted, no rejected draft's row, none twice."""
+    rows = after["num_context_rows"] - before["num_context_rows"]
+    expected = usage.prompt_tokens + usage.completion_tokens - 1
+    ok = rows == expected
+    return ok, {"context_rows": rows, "expected": expected, **({} if ok else {
+        "reason": "hidden-state rows sent are not the tokens the target accepted"})}
 
 
 def serve_and_request(rec: Recorder, config_path: Path, port: int, workdir: Path,
@@ -449,6 +491,17 @@ def serve_and_request(rec: Recorder, config_path: Path, port: int, workdir: Path
             record("serve.tool_call_valid", judge_tool_call(replies["serve.tools"], TOOLS[0]))
         if args.draft.mode != "off":
             record("serve.drafts", judge_drafts(serve_call(app_name, "stats")))
+        if args.draft.mode == "service":
+            record("serve.v2_speculator",
+                   judge_speculator(serve_call(app_name, "collective_rpc", "runner_report")))
+        if args.draft.drafter == "dspark_context":
+            before = serve_call(app_name, "stats", deployment="DraftService")
+            reply = send_request(rec, client, f"{profile}:serve.context_text",
+                                 copy.deepcopy(REQUESTS["serve.text"]))
+            if reply is not None:
+                record("serve.context_rows", judge_context_rows(
+                    before, serve_call(app_name, "stats", deployment="DraftService"),
+                    reply.usage))
     except ServerFailed as exc:
         rec.record(f"{profile}:serve.start", "failed", reason=str(exc)[-4000:])
     except (subprocess.SubprocessError, ValueError) as exc:  # a replica call that failed
@@ -500,8 +553,9 @@ def run_checks(args: argparse.Namespace, rec: Recorder, workdir: Path) -> int:
             return EXIT_MISSING
     paths = build_checkpoints(rec, workdir)
     configs = {name: write_serve_config(rec, workdir, *paths, args.port, PROFILES[source],
-                                        args.kv_cache_dtype, name, tp)
-               for name, source, tp in variants(args.profiles, args.dry_run)} if paths else {}
+                                        args.kv_cache_dtype, name, tp, draft)
+               for name, source, tp, draft in variants(args.profiles, args.dry_run)} \
+        if paths else {}
     if args.dry_run:
         return EXIT_FAILED if rec.failed() else EXIT_OK
     if not args.skip_kernels:
@@ -516,15 +570,18 @@ def run_checks(args: argparse.Namespace, rec: Recorder, workdir: Path) -> int:
     return EXIT_FAILED if rec.failed() else EXIT_OK
 
 
-def variants(profiles: list[str], every: bool) -> list[tuple[str, str, int]]:
-    """(name, profile, tensor_parallel_size) of each serve run: each profile at TP=1, and the
-    production profile at TP=2 on vLLM's Ray executor where two GPUs exist (`every`: always,
-    for the dry run's configs)."""
+def variants(profiles: list[str], every: bool) -> list[tuple[str, str, int, dict | None]]:
+    """(name, profile, tensor_parallel_size, draft overrides) of each serve run: each profile at
+    TP=1; the production profile with the DraftService on model runner V2 (`VARIANT_DRAFTS`);
+    and the production profile at TP=2 on vLLM's Ray executor where two GPUs exist (`every`:
+    always, for the dry run's configs)."""
     import torch
 
-    runs = [(name, name, 1) for name in profiles]
-    if "pro" in profiles and (every or torch.cuda.device_count() >= 2):
-        runs.append(("pro-tp2", "pro", 2))
+    runs = [(name, name, 1, None) for name in profiles]
+    if "pro" in profiles:
+        runs += [(name, "pro", 1, draft) for name, draft in VARIANT_DRAFTS.items()]
+        if every or torch.cuda.device_count() >= 2:
+            runs.append(("pro-tp2", "pro", 2, None))
     return runs
 
 

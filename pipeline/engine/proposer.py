@@ -42,6 +42,9 @@ named by `MOONSERVE_DRAFT_SOCKET`; `moonserve.pipeline.speculative.endpoint`);
   (`plain_sampling_without_drafts`): vLLM runs its rejection sampler on every step once any
   speculator is configured, drafts or none.
 
+On GPUs vLLM runs model runner V2, which takes no proposer class: there `ServiceSpeculator`
+(`speculator_v2.py`) speaks to the DraftService with the same bookkeeping (`DraftBook`).
+
 Example (what vLLM does with it):
     >>> LLM(model, speculative_config={"method": "custom_class", "num_speculative_tokens": 4,
     ...     "model": "moonserve.pipeline.engine.proposer.ServiceProposer"})
@@ -360,6 +363,13 @@ def decoder_layers(model) -> list:
     return list(language_model.model.layers)
 
 
+def check_layer_ids(layer_ids: tuple[int, ...], num_layers: int) -> None:
+    bad = [i for i in layer_ids if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"{ENV_HIDDEN_LAYERS}: layers {bad} are not among the target's "
+                         f"{num_layers} decoder layers")
+
+
 class HiddenCapture:
     """The target's hidden states at `layer_ids` for every token of the engine's last forward pass.
 
@@ -371,10 +381,7 @@ class HiddenCapture:
 
     def __init__(self, model, layer_ids: tuple[int, ...]):
         layers = decoder_layers(model)
-        bad = [i for i in layer_ids if not 0 <= i < len(layers)]
-        if bad:
-            raise ValueError(f"{ENV_HIDDEN_LAYERS}: layers {bad} are not among the target's "
-                             f"{len(layers)} decoder layers")
+        check_layer_ids(layer_ids, len(layers))
         self.layer_ids = tuple(layer_ids)
         self.states: list = [None] * len(layer_ids)
         for slot, index in enumerate(layer_ids):
@@ -429,16 +436,16 @@ class HiddenStates:
     session), the request drafts nothing from then on (`given_up`).
     """
 
-    def __init__(self, capture: HiddenCapture, runner):
-        self.capture = capture
-        self.runner = runner
+    def __init__(self):
         self.unsent: dict[str, UnsentHidden] = {}
         self.given_up: set[str] = set()
         self.dtype = "float32"
 
-    def collect(self, req_ids, num_tokens_no_spec) -> None:
-        query_start = self.runner.query_start_loc.np
-        positions = self.runner.positions[: int(query_start[len(req_ids)])].to("cpu")
+    def collect(self, req_ids, num_tokens_no_spec, query_start, positions, rows) -> None:
+        """Keep what the engine's last pass accepted. Its layout: `query_start` (host) and
+        `positions` (device) of its tokens, batch row by batch row; `rows(start, end)`: the hidden
+        states of its tokens `start .. end - 1`; `num_tokens_no_spec`: each row's tokens now."""
+        positions = positions[: int(query_start[len(req_ids)])].to("cpu")
         for i, request_id in enumerate(req_ids):
             start, end = int(query_start[i]), int(query_start[i + 1])
             if start == end or request_id in self.given_up:
@@ -446,8 +453,8 @@ class HiddenStates:
             first = int(positions[start])
             count = min(end - start, int(num_tokens_no_spec[i]) - 1 - first)
             if count > 0:
-                rows = self.capture.rows(start, start + count).to("cpu")
-                self.unsent.setdefault(request_id, UnsentHidden(first)).add(first, rows)
+                kept = rows(start, start + count).to("cpu")
+                self.unsent.setdefault(request_id, UnsentHidden(first)).add(first, kept)
 
     def attach(self, row: Row) -> None:
         unsent = self.unsent.get(row.request_id)
@@ -484,6 +491,117 @@ def hidden_payload(rows) -> tuple[str, bytes]:
     if rows.dtype == torch.bfloat16:  # numpy has no bfloat16: same bits as int16
         return dtype, rows.view(torch.int16).numpy().tobytes()
     return dtype, rows.numpy().tobytes()
+
+
+def hidden_layers() -> tuple[int, ...]:
+    """The target's layers whose hidden states go with each row (`MOONSERVE_DRAFT_HIDDEN_LAYERS`)."""
+    return tuple(int(i) for i in os.environ.get(ENV_HIDDEN_LAYERS, "").split(",") if i.strip())
+
+
+def draft_client(stats: ProposerStats) -> DraftClient | ShardedDraftClient:
+    """The connection to the DraftService the LanguageModel replica set up for this engine (its
+    resolver's socket, the deadline, the shards: the `MOONSERVE_DRAFT_*` variables)."""
+    path = os.environ.get(ENV_SOCKET)
+    if not path:
+        raise RuntimeError(f"{ENV_SOCKET} is not set: the LanguageModel deployment sets it to "
+                           "its draft endpoint resolver's socket before starting the engine")
+    deadline_s = float(os.environ.get(ENV_DEADLINE_MS, DEFAULT_DEADLINE_MS)) / 1000.0
+    shards = int(os.environ.get(ENV_SHARDS, "1"))
+    return DraftClient(path, deadline_s, stats) if shards == 1 else \
+        ShardedDraftClient(path, deadline_s, stats, shards)
+
+
+@dataclass
+class StepPlan:
+    """One step's message, and for each of its rows the batch row it answers and the drafts that
+    fit before `max_model_len`."""
+
+    request: StepRequest
+    slots: list[int]
+    room: list[int]
+
+
+class DraftBook:
+    """What the DraftService holds of each request, as far as the engine knows, and each step's
+    message built from it. Both model runners' speculators keep one: `ServiceProposer` (V1) and
+    `ServiceSpeculator` (V2, `speculator_v2.py`).
+
+    A row sends only the tokens the service does not hold yet; a request in the service's
+    adaptive pause (`StepReply.quiet`) is left out of that many steps, its tokens waiting for its
+    next row; requests that left the batch are released in the next message. A reply that asks to
+    `resend_from` a position gets those tokens again in the request's next row; a lost reply,
+    every token of its message.
+    """
+
+    def __init__(self, k: int, max_model_len: int, stats: ProposerStats,
+                 hidden: HiddenStates | None = None):
+        self.k, self.max_model_len, self.stats, self.hidden = k, max_model_len, stats, hidden
+        # request id -> context tokens the service holds (as far as we know)
+        self.sent: dict[str, int] = {}
+        # request id -> steps left out of the calls (the service's adaptive pause for it)
+        self.quiet: dict[str, int] = {}
+
+    def plan(self, req_ids, candidates, tokens, min_acceptance: float | None) -> StepPlan | None:
+        """This step's message. `candidates`: (batch row, tokens its request has) of the rows
+        that sampled a token and may draft; `tokens(row, start, end)`: that row's token ids in
+        [start, end). None when there is nothing to send."""
+        hidden = self.hidden
+        rows, slots, room = [], [], []
+        for i, num_tokens in candidates:
+            request_id = req_ids[i]
+            if num_tokens >= self.max_model_len or \
+                    (hidden is not None and request_id in hidden.given_up):
+                continue
+            if self.quiet.get(request_id, 0) > 0:  # its tokens wait for the next row it sends
+                self.quiet[request_id] -= 1
+                self.stats.quiet += 1
+                continue
+            position = min(self.sent.get(request_id, 0), num_tokens)
+            row = Row(request_id, position, tokens(i, position, num_tokens))
+            if hidden is not None:
+                hidden.attach(row)
+            rows.append(row)
+            slots.append(i)
+            room.append(min(self.k, self.max_model_len - num_tokens))
+            self.sent[request_id] = num_tokens
+        live = set(req_ids)
+        release = [r for r in self.sent if r not in live]
+        for request_id in release:
+            del self.sent[request_id]
+            self.quiet.pop(request_id, None)
+        if hidden is not None:
+            hidden.keep_only(live)
+        if not rows and not release:
+            return None
+        return StepPlan(StepRequest(k=self.k, rows=rows, release=release,
+                                    hidden_dtype=hidden.dtype if hidden else "bfloat16",
+                                    min_acceptance=min_acceptance), slots, room)
+
+    def answers(self, plan: StepPlan, reply: StepReply | None) -> dict[int, list[int]] | None:
+        """Batch row -> its drafts, from the service's `reply` to `plan`'s message. None when
+        there is no usable reply: not known whether the service applied the message's tokens,
+        so they are sent again next time."""
+        rows = plan.request.rows
+        if reply is None or reply.error:
+            for row in rows:
+                self.sent[row.request_id] = row.position
+            return None
+        hidden = self.hidden
+        drafts: dict[int, list[int]] = {}
+        quiet = reply.quiet or [0] * len(rows)  # a service that pauses nothing sends none
+        for slot, limit, row, row_drafts, resend, steps in zip(
+                plan.slots, plan.room, rows, reply.drafts, reply.resend_from, quiet, strict=True):
+            if steps > 0:
+                self.quiet[row.request_id] = steps
+            if resend < 0:
+                drafts[slot] = row_drafts[:limit]
+                if hidden is not None:
+                    hidden.confirmed(row.request_id)
+            elif hidden is None or hidden.can_resend(row.request_id, resend):
+                self.sent[row.request_id] = resend
+            else:  # its context cannot be rebuilt: no more drafts; released when it leaves
+                self.sent[row.request_id] = 0
+        return drafts
 
 
 def seeded_sampling(batch, row: int) -> bool:
@@ -538,24 +656,15 @@ class ServiceProposer:
         spec = vllm_config.speculative_config
         self.k = spec.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
+        self.enforce_eager = vllm_config.model_config.enforce_eager
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.runner = find_model_runner(sys._getframe(1))
         plain_sampling_without_drafts(self.runner)
         self.stats = ProposerStats()
-        path = os.environ.get(ENV_SOCKET)
-        if not path:
-            raise RuntimeError(f"{ENV_SOCKET} is not set: the LanguageModel deployment sets it to "
-                               "its draft endpoint resolver's socket before starting the engine")
-        deadline_s = float(os.environ.get(ENV_DEADLINE_MS, DEFAULT_DEADLINE_MS)) / 1000.0
-        shards = int(os.environ.get(ENV_SHARDS, "1"))
-        self.client = DraftClient(path, deadline_s, self.stats) if shards == 1 else \
-            ShardedDraftClient(path, deadline_s, self.stats, shards)
-        # request id -> context tokens the service holds (as far as we know)
-        self.sent: dict[str, int] = {}
-        # request id -> steps left out of the calls (the service's adaptive pause for it)
-        self.quiet: dict[str, int] = {}
-        self.hidden_layers = tuple(int(i) for i in os.environ.get(ENV_HIDDEN_LAYERS, "")
-                                   .split(",") if i.strip())
+        self.client = draft_client(self.stats)
+        self.book = DraftBook(self.k, self.max_model_len, self.stats)
+        self.hidden_layers = hidden_layers()
+        self.capture: HiddenCapture | None = None
         self.hidden: HiddenStates | None = None
         self.cost = StepCost()
         self.clock = time.perf_counter
@@ -565,7 +674,13 @@ class ServiceProposer:
         """The drafter lives in the DraftService (vLLM requires the call). With
         `MOONSERVE_DRAFT_HIDDEN_LAYERS`, hooks on the target `model` keep its hidden states."""
         if self.hidden_layers:
-            self.hidden = HiddenStates(HiddenCapture(model, self.hidden_layers), self.runner)
+            if not self.enforce_eager:
+                raise ValueError("draft.drafter dspark_context on vLLM's model runner V1 (the CPU "
+                                 "build) needs language_model.engine.enforce_eager: true (the "
+                                 "proposer reads the target's hidden states with forward hooks, "
+                                 "which a compiled graph skips)")
+            self.capture = HiddenCapture(model, self.hidden_layers)
+            self.hidden = self.book.hidden = HiddenStates()
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
                 slot_mappings=None) -> list[list[int]]:
@@ -581,61 +696,23 @@ class ServiceProposer:
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
         batch = self.runner.input_batch
         req_ids = batch.req_ids
-        hidden = self.hidden
-        if hidden is not None:
-            hidden.collect(req_ids, num_tokens_no_spec)
+        if self.hidden is not None:
+            self.hidden.collect(req_ids, num_tokens_no_spec, self.runner.query_start_loc.np,
+                                self.runner.positions, self.capture.rows)
         self._observe_step(req_ids, sampled_token_ids)
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
-        rows, slots, room = [], [], []
-        for i, sampled in enumerate(sampled_token_ids):
-            num_tokens = int(num_tokens_no_spec[i])
-            if not sampled or num_tokens >= self.max_model_len or seeded_sampling(batch, i):
-                continue
-            request_id = req_ids[i]
-            if hidden is not None and request_id in hidden.given_up:
-                continue
-            if self.quiet.get(request_id, 0) > 0:  # its tokens wait for the next row it sends
-                self.quiet[request_id] -= 1
-                self.stats.quiet += 1
-                continue
-            position = min(self.sent.get(request_id, 0), num_tokens)
-            row = Row(request_id, position, token_ids_cpu[i, position:num_tokens].tolist())
-            if hidden is not None:
-                hidden.attach(row)
-            rows.append(row)
-            slots.append(i)
-            room.append(min(self.k, self.max_model_len - num_tokens))
-            self.sent[request_id] = num_tokens
-        live = set(req_ids)
-        release = [r for r in self.sent if r not in live]
-        for request_id in release:
-            del self.sent[request_id]
-            self.quiet.pop(request_id, None)
-        if hidden is not None:
-            hidden.keep_only(live)
-        if not rows and not release:
+        candidates = [(i, int(num_tokens_no_spec[i])) for i, sampled in enumerate(sampled_token_ids)
+                      if sampled and not seeded_sampling(batch, i)]
+        plan = self.book.plan(req_ids, candidates,
+                              lambda i, start, end: token_ids_cpu[i, start:end].tolist(),
+                              self.cost.min_acceptance())
+        if plan is None:
             return self._drafted(req_ids, drafts)
-        reply = self.client.call(StepRequest(k=self.k, rows=rows, release=release,
-                                             hidden_dtype=hidden.dtype if hidden else "bfloat16",
-                                             min_acceptance=self.cost.min_acceptance()))
-        if reply is None or reply.error:
-            # Not known whether the service applied these tokens: resend them next time.
-            for row in rows:
-                self.sent[row.request_id] = row.position
+        answers = self.book.answers(plan, self.client.call(plan.request))
+        if answers is None:
             return drafts
-        quiet = reply.quiet or [0] * len(rows)  # a service that pauses nothing sends none
-        for slot, limit, row, row_drafts, resend, steps in zip(
-                slots, room, rows, reply.drafts, reply.resend_from, quiet, strict=True):
-            if steps > 0:
-                self.quiet[row.request_id] = steps
-            if resend < 0:
-                drafts[slot] = row_drafts[:limit]
-                if hidden is not None:
-                    hidden.confirmed(row.request_id)
-            elif hidden is None or hidden.can_resend(row.request_id, resend):
-                self.sent[row.request_id] = resend
-            else:  # its context cannot be rebuilt: no more drafts; released when it leaves
-                self.sent[row.request_id] = 0
+        for slot, row_drafts in answers.items():
+            drafts[slot] = row_drafts
         return self._drafted(req_ids, drafts)
 
     def _observe_step(self, req_ids, sampled_token_ids) -> None:

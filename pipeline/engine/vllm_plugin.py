@@ -1,7 +1,7 @@
 """A vLLM general plugin (entry point `vllm.general_plugins` in pyproject.toml): vLLM loads it in
 every process it starts, engine workers included, before any model runs.
 
-Three fixes for vLLM 0.32's CPU build; on GPUs nothing changes.
+Three fixes for vLLM 0.32's CPU build, and on GPUs one addition (4).
 
 1. Seeded long prompts. A seeded request (`seed` in the API) whose sampled token is discarded (a
    partial prefill chunk: any prompt longer than one engine step's token budget) makes the model
@@ -26,18 +26,91 @@ Three fixes for vLLM 0.32's CPU build; on GPUs nothing changes.
    an empty tensor) raises, which kills the engine and every request in it; a request with
    `top_k` did this within its first tokens (tests/server/test_sampling_extensions.py). On CPU,
    zero rows skip the constraint (there is nothing to constrain).
+
+4. The DraftService on model runner V2 (GPUs). V2 has no `custom_class` proposer: its
+   `init_speculator` builds speculators by method name, and `VllmConfig` lists custom_class among
+   the features V2 lacks, so vLLM falls back to V1 (or, with `VLLM_USE_V2_MODEL_RUNNER=1`, fails).
+   For moonserve's `ServiceProposer` only, `init_speculator` builds `ServiceSpeculator`
+   (`speculator_v2.py`) and custom_class leaves that list. Any other custom class keeps vLLM's
+   behaviour. `tests/unit/test_speculator_v2.py` asks vLLM's own config and `init_speculator`.
 """
 
 from __future__ import annotations
+
+
+SERVICE_PROPOSER = "moonserve.pipeline.engine.proposer.ServiceProposer"
+V2_UNSUPPORTED = "speculative method 'custom_class'"  # vLLM's entry (config/vllm.py)
 
 
 def register() -> None:
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
+        service_speculator_on_v2()
         return
     skip_generator_rewind()
     expand_draft_sampling_params()
+
+
+def is_service_proposer(speculative_config) -> bool:
+    return speculative_config is not None and speculative_config.method == "custom_class" \
+        and speculative_config.model == SERVICE_PROPOSER
+
+
+def service_speculator_on_v2() -> None:
+    """Model runner V2 builds `ServiceSpeculator` for `ServiceProposer` (item 4 above)."""
+    import sys
+
+    from vllm.config import VllmConfig
+    from vllm.v1.worker.gpu import spec_decode
+
+    original = spec_decode.init_speculator
+    if getattr(original, "moonserve_service", False):
+        return
+
+    def init_speculator(vllm_config, device, req_states):
+        if not is_service_proposer(vllm_config.speculative_config):
+            return original(vllm_config, device, req_states)
+        from moonserve.pipeline.engine.speculator_v2 import ServiceSpeculator
+
+        runner = sys._getframe(1).f_locals.get("self")  # the model runner, building its sampler
+        speculator = ServiceSpeculator(vllm_config, device, req_states, lambda: getattr(
+            getattr(runner, "sampler", None), "sampling_states", None))
+        if speculator.hidden_layers:
+            aux_hidden_states_from_load(runner, speculator)
+        return speculator
+
+    init_speculator.moonserve_service = True
+    spec_decode.init_speculator = init_speculator
+    # The model runner binds the name when it is imported; a process may have imported it first.
+    runner_module = sys.modules.get("vllm.v1.worker.gpu.model_runner")
+    if runner_module is not None:
+        runner_module.init_speculator = init_speculator
+
+    unsupported = VllmConfig._get_v2_model_runner_unsupported_features
+
+    def v2_unsupported(self) -> list[str]:
+        found = unsupported(self)
+        if is_service_proposer(self.speculative_config):
+            found = [f for f in found if f != V2_UNSUPPORTED]
+        return found
+
+    VllmConfig._get_v2_model_runner_unsupported_features = v2_unsupported
+
+
+def aux_hidden_states_from_load(runner, speculator) -> None:
+    """The V2 `runner`'s target returns the hidden states `speculator` sends: vLLM's aux hidden
+    states on (the runner reads the flag when it loads the model, runs it and captures its
+    graphs), their layers set as soon as the model is loaded, before anything compiles it."""
+    runner.use_aux_hidden_state_outputs = True
+    load_model = runner.load_model
+
+    def load_model_and_set_aux_layers(*args, **kwargs):
+        loaded = load_model(*args, **kwargs)
+        speculator.set_aux_layers(runner.model)
+        return loaded
+
+    runner.load_model = load_model_and_set_aux_layers
 
 
 def skip_generator_rewind() -> None:

@@ -1,6 +1,7 @@
-"""A vLLM worker extension that shows what a multimodal engine did with its images.
+"""A vLLM worker extension that shows what a multimodal engine did with its images, and which
+model runner and speculator the worker runs (`runner_report`).
 
-Set `language_model.engine.worker_extension_cls: moonserve.pipeline.engine.worker_probe.ImageProbe`
+Set `language_model.engine.worker_extension_cls: moonserve.pipeline.engine.worker_probe.WorkerProbe`
 and call through the LanguageModel's `collective_rpc` (a Serve handle):
 `install_image_probe` once, then `image_probe_report` for what happened since the last report.
 It wraps two methods of the loaded model in the worker: `embed_multimodal` (the vision tower and
@@ -18,7 +19,7 @@ Example (inside a Serve app whose engine has the extension):
 from __future__ import annotations
 
 
-class ImageProbe:
+class WorkerProbe:
     """Mixed into vLLM's worker (`worker_extension_cls`); `self.model_runner` is the worker's."""
 
     def install_image_probe(self) -> None:
@@ -47,3 +48,18 @@ class ImageProbe:
         """Encoder calls, and prefill chunks with image positions, since the last report."""
         report, self.image_probe = self.image_probe, {"encoder_calls": 0, "prefills": []}
         return report
+
+    def runner_report(self) -> dict:
+        """The worker's model runner (its classes, most derived first: vLLM's V1 and V2 runners
+        are both named GPUModelRunner, in different modules), its speculator's class, and the
+        CUDA graph mode vLLM resolved."""
+        runner = self.model_runner
+        speculator = getattr(runner, "speculator", None) or getattr(runner, "drafter", None)
+        mode = runner.vllm_config.compilation_config.cudagraph_mode
+        return {"model_runner_mro": [qualified(c) for c in type(runner).__mro__],
+                "speculator": None if speculator is None else qualified(type(speculator)),
+                "cudagraph_mode": None if mode is None else getattr(mode, "name", str(mode))}
+
+
+def qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"

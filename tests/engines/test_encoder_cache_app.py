@@ -4,7 +4,7 @@ The app is `configs/local.yaml` on a tiny Kimi-K2.5 checkpoint with random weigh
 (`synthetic_checkpoints.k25`, written here), which vLLM serves as multimodal. The VisionEncoder
 runs its tower in an encoder-only `ec_producer` engine that stores each image's output in a tmp
 store; the LanguageModel's `ec_consumer` engine gets the image in K2.5's own prompt format and
-loads the stored output. The LanguageModel's workers carry `ImageProbe`
+loads the stored output. The LanguageModel's workers carry `WorkerProbe`
 (`moonserve.pipeline.engine.worker_probe`), which counts the engine's encoder calls and records the
 token ids and image rows of each prefill. The engines are this module's own (the session server
 may run beside them, in another pytest-xdist worker: tests/conftest.py).
@@ -66,7 +66,7 @@ def app(tmp_path_factory):
     args["router"]["limits"]["max_images"] = 2
     engine = args["language_model"]["engine"]
     engine.update(model=str(checkpoint), **SERVE_ENGINE,
-                  worker_extension_cls="moonserve.pipeline.engine.worker_probe.ImageProbe")
+                  worker_extension_cls="moonserve.pipeline.engine.worker_probe.WorkerProbe")
     args["language_model"]["chat"] = {}
     args["vision"] = serve_vision(store)
     args["draft"] = {"mode": "off"}

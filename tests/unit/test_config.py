@@ -293,8 +293,6 @@ def test_serve_run_path_builds_the_app_from_the_yaml():
      "draft.suffix.max_depth"),
     ({"draft": {"mode": "service", "drafter": "dspark_context"}},
      "draft.model: drafter dspark_context needs a K3 DSpark checkpoint"),
-    ({"draft": {"mode": "service", "drafter": "dspark_context", "model": "/m/k3-dspark"}},
-     "dspark_context needs language_model.engine.enforce_eager: true"),
     ({"draft": {"ngram_min": 6, "ngram_max": 5}}, "draft.ngram_min (6) is over draft.ngram_max (5)"),
     ({"draft": {"mode": "sometimes"}}, "draft.mode"),
     ({"language_model": {"engine": {"background_priority": 10, "strict_prefill_priority": False}}},

@@ -8,15 +8,18 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import yaml
 from safetensors import safe_open
+from vllm.config.compilation import CUDAGraphMode
 
 from moonserve.pipeline.bench import gpu_smoke
 from moonserve.pipeline.capacity.checkpoint import check_checkpoint
 from moonserve.pipeline.capacity.kimi_k3_layout import KimiCheckpointConfig, expected_tensors
 from moonserve.pipeline.config import load_app_config
+from moonserve.pipeline.engine import vllm_plugin
 from moonserve.pipeline.synthetic_checkpoints.k3_random_weights import (
     SMOKE_DIMS,
     dspark_expected_tensors,
@@ -146,15 +149,66 @@ def test_without_cuda_the_script_reports_skipped(tmp_path):
 def test_every_profile_and_the_tp2_variant_get_a_valid_small_gpu_config(checkpoints, tmp_path):
     rec = gpu_smoke.Recorder()
     paths = {name: gpu_smoke.write_serve_config(rec, tmp_path, *checkpoints, 8061,
-                                                gpu_smoke.PROFILES[profile], None, name, tp)
-             for name, profile, tp in gpu_smoke.variants(["pro", "recipe"], every=True)}
-    assert [c["status"] for c in rec.checks] == ["passed"] * 3, rec.checks
-    assert set(paths) == {"pro", "recipe", "pro-tp2"}
+                                                gpu_smoke.PROFILES[profile], None, name, tp, draft)
+             for name, profile, tp, draft in gpu_smoke.variants(["pro", "recipe"], every=True)}
+    assert [c["status"] for c in rec.checks] == ["passed"] * 5, rec.checks
+    assert set(paths) == {"pro", "recipe", "pro-service", "pro-service-context", "pro-tp2"}
     recipe, tp2 = load_app_config(paths["recipe"]), load_app_config(paths["pro-tp2"])
     assert recipe.vision is None and recipe.draft.attention_backend is None
     assert recipe.draft.model == str(checkpoints[1])
     assert tp2.language_model.engine.tensor_parallel_size == 2
     assert len(tp2.language_model.placement.bundles) == 2
+    service = load_app_config(paths["pro-service"])
+    assert (service.draft.mode, service.draft.drafter, service.draft.num_gpus) == \
+        ("service", "ngram", 0)
+    assert service.draft.speculative_config()["model"] == vllm_plugin.SERVICE_PROPOSER
+    assert service.language_model.engine.worker_extension_cls == gpu_smoke.PROBE
+    context = load_app_config(paths["pro-service-context"])
+    assert (context.draft.drafter, context.draft.model) == ("dspark_context", str(checkpoints[1]))
+    assert not context.language_model.engine.enforce_eager  # V2 keeps its graphs
+
+
+def test_the_context_rows_check_wants_every_accepted_token_once():
+    usage = SimpleNamespace(prompt_tokens=20, completion_tokens=16)
+    assert gpu_smoke.judge_context_rows({"num_context_rows": 5}, {"num_context_rows": 40},
+                                        usage)[0]
+    for rows in (39, 41):  # a token short (the anchor's row counted), one twice
+        assert not gpu_smoke.judge_context_rows({"num_context_rows": 0},
+                                                {"num_context_rows": rows}, usage)[0]
+
+
+def v1_runner_report(speculator):
+    """`WorkerProbe.runner_report` on vLLM's V1 model runner (not constructed: the report reads
+    its class, its speculator and its config only)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from moonserve.pipeline.engine.worker_probe import WorkerProbe
+
+    runner = object.__new__(GPUModelRunner)
+    runner.drafter = speculator
+    runner.vllm_config = SimpleNamespace(compilation_config=SimpleNamespace(
+        cudagraph_mode=CUDAGraphMode.FULL_DECODE_ONLY))
+    probe = object.__new__(WorkerProbe)
+    probe.model_runner = runner
+    return probe.runner_report()
+
+
+def test_the_v2_speculator_check_fails_on_vllms_fallback_to_v1():
+    """What a worker that fell back to model runner V1 (vLLM's answer to custom_class without the
+    plugin's hook) reports fails the check; the same report from V2 with the speculator passes."""
+    from moonserve.pipeline.engine.proposer import ServiceProposer
+
+    v1 = v1_runner_report(object.__new__(ServiceProposer))
+    assert v1["model_runner_mro"][0] == "vllm.v1.worker.gpu_model_runner.GPUModelRunner"
+    assert v1["speculator"] == vllm_plugin.SERVICE_PROPOSER
+    assert v1["cudagraph_mode"] == "FULL_DECODE_ONLY"
+    ok, detail = gpu_smoke.judge_speculator([v1])
+    assert not ok and "reason" in detail
+    v2 = {**v1, "model_runner_mro": [gpu_smoke.V2_RUNNER, "builtins.object"],
+          "speculator": gpu_smoke.SERVICE_SPECULATOR}
+    assert gpu_smoke.judge_speculator([v2]) == (True, {"workers": [v2]})
+    assert not gpu_smoke.judge_speculator([v2, {**v2, "cudagraph_mode": "NONE"}])[0]
+    assert not gpu_smoke.judge_speculator([])[0]
 
 
 def test_the_smoke_checkpoints_have_constant_logits(checkpoints):

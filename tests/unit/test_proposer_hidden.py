@@ -1,14 +1,13 @@
 """The proposer's side of `dspark_context`: the target's hidden states, kept and sent per request.
 
 `HiddenCapture` hooks decoder layers shaped like vLLM's (each returns `(mlp_out, residual)`);
-`HiddenStates` maps the rows of the engine's last pass to requests through the model runner's
+`HiddenStates` maps the rows of the engine's last pass to requests through the pass's
 `query_start_loc` and `positions`, keeps what the target accepted, and sends it with the request's
 next row until the DraftService confirms it.
 """
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -52,9 +51,9 @@ class Target(torch.nn.Module):
         return streams
 
 
-def runner(query_start: list[int], positions: list[int]):
-    return SimpleNamespace(query_start_loc=SimpleNamespace(np=np.array(query_start)),
-                           positions=torch.tensor(positions))
+def layout(query_start: list[int], positions: list[int]):
+    """A pass's query starts (host) and positions (device), as the model runners keep them."""
+    return np.array(query_start), torch.tensor(positions)
 
 
 def test_capture_keeps_the_residual_stream_after_each_chosen_layer():
@@ -79,8 +78,8 @@ def test_rows_the_target_accepted_go_with_the_next_row_until_confirmed():
     # (3 of its 6 prompt tokens, nothing sampled).
     positions = [0, 1, 2, 3, 0, 1, 2]
     pass_of(target, positions)
-    states = HiddenStates(capture, runner([0, 4, 7], positions))
-    states.collect(["a", "b"], [5, 6])
+    states = HiddenStates()
+    states.collect(["a", "b"], [5, 6], *layout([0, 4, 7], positions), capture.rows)
     expected_a = capture.rows(0, 4)
     assert (states.unsent["a"].start, states.unsent["a"].end) == (0, 4)
     assert (states.unsent["b"].start, states.unsent["b"].end) == (0, 3)
@@ -93,8 +92,7 @@ def test_rows_the_target_accepted_go_with_the_next_row_until_confirmed():
     # chunk (positions 3-5) samples: 7 tokens.
     positions = [4, 5, 6, 3, 4, 5]
     pass_of(target, positions)
-    states.runner = runner([0, 3, 6], positions)
-    states.collect(["a", "b"], [7, 7])
+    states.collect(["a", "b"], [7, 7], *layout([0, 3, 6], positions), capture.rows)
     assert (states.unsent["a"].start, states.unsent["a"].end) == (4, 6)  # the rejected row is out
     torch.testing.assert_close(states.unsent["a"].concat(), capture.rows(0, 2))
     row = Row("b", 0, list(range(7)))
@@ -103,7 +101,7 @@ def test_rows_the_target_accepted_go_with_the_next_row_until_confirmed():
 
 
 def test_a_resend_the_proposer_cannot_serve_gives_the_request_up():
-    states = HiddenStates(capture=None, runner=None)
+    states = HiddenStates()
     states.unsent["a"] = UnsentHidden(5, [torch.zeros(2, HIDDEN)])
     assert states.can_resend("a", 6)  # hidden states from position 5: still here
     assert not states.can_resend("a", 3)  # from 2: confirmed and dropped earlier
@@ -128,3 +126,20 @@ def test_bfloat16_rows_travel_as_their_bits():
     dtype, data = hidden_payload(rows)
     assert dtype == "bfloat16" and len(data) == 3 * 4 * 2
     assert torch.equal(decode_hidden(data, dtype, 4), rows)
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_on_model_runner_v1_hidden_states_need_an_eager_engine(enforce_eager):
+    """V1's hooks skip compiled graphs, so the proposer refuses a compiled engine when it loads
+    (model runner V2 takes the target's own aux hidden states: tests/unit/test_speculator_v2.py)."""
+    from moonserve.pipeline.engine.proposer import DraftBook, ProposerStats, ServiceProposer
+
+    proposer = object.__new__(ServiceProposer)
+    proposer.hidden_layers, proposer.enforce_eager = (1, 3), enforce_eager
+    proposer.book = DraftBook(4, 64, ProposerStats())
+    if not enforce_eager:
+        with pytest.raises(ValueError, match="enforce_eager: true"):
+            proposer.load_model(Target())
+        return
+    proposer.load_model(Target())
+    assert proposer.capture.layer_ids == (1, 3) and proposer.book.hidden is proposer.hidden

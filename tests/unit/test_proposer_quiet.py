@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import msgspec
 import numpy as np
 
-from moonserve.pipeline.engine.proposer import ProposerStats, ServiceProposer
+from moonserve.pipeline.engine.proposer import DraftBook, ProposerStats, ServiceProposer
 from moonserve.pipeline.speculative.adaptive import AdaptivePolicy, StepCost
 from moonserve.pipeline.speculative.ngram import NgramDrafter
 from moonserve.pipeline.speculative.service import DraftCore
@@ -49,7 +49,7 @@ def proposer(client: CoreClient, req_ids: list[str]) -> ServiceProposer:
     out.k, out.max_model_len, out.tp_size = K, MAX_LEN, 1
     out.runner = SimpleNamespace(input_batch=batch)
     out.stats, out.client = ProposerStats(), client
-    out.sent, out.quiet, out.hidden_layers, out.hidden = {}, {}, (), None
+    out.book, out.hidden_layers, out.hidden = DraftBook(K, MAX_LEN, out.stats), (), None
     # A clock that stands still: no step-cost estimate unless a test moves it.
     out.cost, out.clock, out.last_step = StepCost(), lambda: 0.0, None
     return out
