@@ -494,7 +494,8 @@ def hidden_payload(rows) -> tuple[str, bytes]:
 
 
 def hidden_layers() -> tuple[int, ...]:
-    """The target's layers whose hidden states go with each row (`MOONSERVE_DRAFT_HIDDEN_LAYERS`)."""
+    """The target's layers whose hidden states go with each row
+    (`MOONSERVE_DRAFT_HIDDEN_LAYERS`)."""
     return tuple(int(i) for i in os.environ.get(ENV_HIDDEN_LAYERS, "").split(",") if i.strip())
 
 
@@ -665,7 +666,6 @@ class ServiceProposer:
         self.book = DraftBook(self.k, self.max_model_len, self.stats)
         self.hidden_layers = hidden_layers()
         self.capture: HiddenCapture | None = None
-        self.hidden: HiddenStates | None = None
         self.cost = StepCost()
         self.clock = time.perf_counter
         self.last_step: tuple[float, dict[str, int]] | None = None  # time, drafts per request
@@ -680,7 +680,7 @@ class ServiceProposer:
                                  "proposer reads the target's hidden states with forward hooks, "
                                  "which a compiled graph skips)")
             self.capture = HiddenCapture(model, self.hidden_layers)
-            self.hidden = self.book.hidden = HiddenStates()
+            self.book.hidden = HiddenStates()
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
                 slot_mappings=None) -> list[list[int]]:
@@ -696,9 +696,9 @@ class ServiceProposer:
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
         batch = self.runner.input_batch
         req_ids = batch.req_ids
-        if self.hidden is not None:
-            self.hidden.collect(req_ids, num_tokens_no_spec, self.runner.query_start_loc.np,
-                                self.runner.positions, self.capture.rows)
+        if self.book.hidden is not None:
+            self.book.hidden.collect(req_ids, num_tokens_no_spec, self.runner.query_start_loc.np,
+                                     self.runner.positions, self.capture.rows)
         self._observe_step(req_ids, sampled_token_ids)
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         candidates = [(i, int(num_tokens_no_spec[i])) for i, sampled in enumerate(sampled_token_ids)

@@ -77,13 +77,14 @@ class ServiceSpeculator(BaseSpeculator):
         self.req_states = req_states
         self.sampling_states = sampling_states
         self.stats = ProposerStats()
-        self.hidden = HiddenStates() if self.hidden_layers else None
-        self.book = DraftBook(self.k, self.max_model_len, self.stats, self.hidden)
+        self.book = DraftBook(self.k, self.max_model_len, self.stats,
+                              HiddenStates() if self.hidden_layers else None)
         self.client = draft_client(self.stats)
         max_num_reqs = vllm_config.scheduler_config.max_num_seqs
         # Batch-ordered drafts, scattered into the request states by the model runner.
         self.drafts = torch.zeros((max_num_reqs, self.k), dtype=torch.int64, device=device)
-        self.window = torch.arange(-(self.k + 1), 0, device=device)
+        # Offsets of a request's last k + 1 tokens from its length: the most one step adds.
+        self.recent_offsets = torch.arange(-(self.k + 1), 0, device=device)
 
     def set_aux_layers(self, model) -> None:
         """Make the loaded target return its hidden states at `hidden_layers` with its output
@@ -132,14 +133,14 @@ class ServiceSpeculator(BaseSpeculator):
         """This step's message to the DraftService and its reply: batch row -> drafts."""
         tokens = self.req_states.all_token_ids.gpu
         total = self.req_states.total_len.gpu[idx].long()
-        window = tokens[idx[:, None], (total[:, None] + self.window).clamp(min=0)]
-        packed = torch.cat([total[:, None], num_sampled[:, None].long(), window.long()], 1).cpu()
+        recent = tokens[idx[:, None], (total[:, None] + self.recent_offsets).clamp(min=0)]
+        packed = torch.cat([total[:, None], num_sampled[:, None].long(), recent.long()], 1).cpu()
         totals, sampled, recent = packed[:, 0].tolist(), packed[:, 1].tolist(), packed[:, 2:]
-        if self.hidden is not None:
+        if self.book.hidden is not None:
             if not aux_hidden_states:
                 raise RuntimeError("the target returned no aux hidden states: the plugin sets "
                                    "them when the model loads (vllm_plugin.py)")
-            self.hidden.collect(
+            self.book.hidden.collect(
                 input_batch.req_ids, totals, input_batch.query_start_loc_np,
                 input_batch.positions,
                 lambda start, end: torch.cat([a[start:end] for a in aux_hidden_states], dim=-1))

@@ -185,8 +185,9 @@ class StepCost:
 
 
 def worth_drafting(p: float, min_acceptance: float, limit: int) -> int:
-    """The largest k <= limit with p**k >= min_acceptance (0 when p < min_acceptance)."""
-    if p >= 1.0 or min_acceptance <= 0.0:  # every draft is worth it (model runner V2 asks so)
+    """The largest k <= limit with p**k >= min_acceptance (0 when p < min_acceptance; `limit`
+    when min_acceptance <= 0, as model runner V2 asks: every slot is verified anyway)."""
+    if p >= 1.0 or min_acceptance <= 0.0:
         return limit
     if p < min_acceptance:
         return 0

@@ -49,7 +49,7 @@ def proposer(client: CoreClient, req_ids: list[str]) -> ServiceProposer:
     out.k, out.max_model_len, out.tp_size = K, MAX_LEN, 1
     out.runner = SimpleNamespace(input_batch=batch)
     out.stats, out.client = ProposerStats(), client
-    out.book, out.hidden_layers, out.hidden = DraftBook(K, MAX_LEN, out.stats), (), None
+    out.book, out.hidden_layers = DraftBook(K, MAX_LEN, out.stats), ()
     # A clock that stands still: no step-cost estimate unless a test moves it.
     out.cost, out.clock, out.last_step = StepCost(), lambda: 0.0, None
     return out

@@ -1,4 +1,5 @@
-"""The DraftService on vLLM's model runner V2 (`ServiceSpeculator`, pipeline/engine/speculator_v2.py).
+"""The DraftService on vLLM's model runner V2 (`ServiceSpeculator`,
+pipeline/engine/speculator_v2.py).
 
 V2 cannot run on this CPU build (it needs Triton), so:
 - vLLM's own `VllmConfig` (the embedded model's engine, `draft.mode: service`) and vLLM's own
