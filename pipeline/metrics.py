@@ -74,7 +74,7 @@ METRICS: dict[str, MetricSpec] = {
     "moonserve_lm_routing_decisions": MetricSpec(
         "counter", "LanguageModel replica choices of the prefix-affinity router (decision: "
         "affinity = longest known prefix | cache_key = the request's prompt_cache_key | "
-        "fallback = Serve's power of two choices | single = one replica).", ("decision",)),
+        "fallback = power of two choices | single = one replica).", ("decision",)),
     "moonserve_draft_fallbacks": MetricSpec(
         "counter", "Engine steps without drafts because of the DraftService (reason: missed = "
         "past the deadline | skipped = a call still pending or no connection | error = the "

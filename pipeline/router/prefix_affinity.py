@@ -8,19 +8,26 @@ placeholder tokens fill, so two prompts that differ only in an image do not shar
 router remembers which replica it sent each key to (`AffinityTable`, LRU-bounded, a replica's
 keys forgotten when it leaves) and picks, in order:
 
-1. `affinity`: the replicas holding the longest remembered prefix of the request (Serve takes
-   the least loaded of them: a system prompt every replica has seen does not pin new
-   conversations to one), unless their queue is more than `imbalance_threshold` requests longer
-   than the lightest replica's;
+1. `affinity`: the replicas holding the longest remembered prefix of the request (the least
+   loaded of them: a system prompt every replica has seen does not pin new conversations to
+   one), unless their queue is more than `imbalance_threshold` requests longer than the
+   lightest replica's;
 2. `cache_key`: for a request with OpenAI's `prompt_cache_key` (or `user`), the replica that
    rendezvous hashing gives that key, so every Router replica sends a conversation's first turns
    to the same place, under the same load rule;
-3. `fallback`: Serve's power of two choices (`single` when there is one replica).
+3. `fallback`: power of two choices (`single` when there is one replica).
 
-The ranks after the first are the other replicas, so a full replica sends the request on rather
-than waiting. Ray Serve LLM's `PrefixCacheAffinityRouter` keys on text only (and asks a shared
-tree actor with a blocking call per request); this keeps its load rule and uses token ids, images
-and a table local to each caller.
+The router picks one replica itself and counts the request against it at once. Serve's own
+choice is the least loaded of a rank by its queue-length cache, which it counts a request into
+only once the request is sent, and which forgets a replica after 10 s without news. Serve
+assigns a burst of queued requests in one pass, so every request of the burst saw the same
+loads, and a replica this caller had not heard from lately was passed over for one it had: six
+streams sent at once to two idle replicas all went to one (CI, stop 50). Here a replica the
+cache has forgotten is asked (Serve's probe) before the choice. The ranks after the first are the
+other replicas, least loaded first, so a full replica sends the request on rather than waiting.
+Ray Serve LLM's `PrefixCacheAffinityRouter` keys on text only (and asks a shared tree actor with
+a blocking call per request); this keeps its load rule and uses token ids, images and a table
+local to each caller.
 
 Example (the table alone):
     >>> table = AffinityTable(block_tokens=4, max_keys=1000)
@@ -32,8 +39,10 @@ Example (the table alone):
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
+import random
 from collections import OrderedDict
 
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
@@ -143,6 +152,7 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
         self.pending_keys: OrderedDict[str, list[int]] = OrderedDict()
         self.decisions = {decision: 0 for decision in DECISIONS}
         self.metric = None
+        self.choosing = asyncio.Lock()
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         request = generate_request(pending_request)
@@ -157,19 +167,43 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
             if len(self.pending_keys) > MAX_PENDING:
                 self.pending_keys.popitem(last=False)
         by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
-        loads = {rid: self.replica_queue_len_cache.get(r.replica_id) or 0
-                 for rid, r in by_id.items()}
+        # One choice at a time, each seeing the counts of those before it (module docstring).
+        async with self.choosing:
+            loads = await self.queue_lengths(candidate_replicas)
+            if not loads:  # no replica answered: Serve's own choice, with its backoff
+                self.record("fallback")
+                return await super().choose_replicas(candidate_replicas, pending_request)
+            pick, decision = self.pick(keys, request.cache_key, loads, sorted(by_id))
+            self.record(decision)
+            # Serve counts the request again once it is sent; the replica's reply to that send
+            # sets the true count.
+            self.replica_queue_len_cache.update(by_id[pick].replica_id, loads[pick] + 1)
+        rest = sorted((rid for rid in by_id if rid != pick),
+                      key=lambda rid: loads.get(rid, float("inf")))
+        return [[by_id[pick]], [by_id[rid] for rid in rest]]
+
+    def pick(self, keys: list[int], cache_key: str | None, loads: dict[str, int],
+             replicas: list[str]) -> tuple[str, str]:
+        """The replica for a request, of those whose ongoing requests are in `loads` (the
+        others of `replicas` did not answer), and the decision (module docstring)."""
         lightest = min(loads.values())
-        chosen, decision = self.table.longest_match(keys, set(by_id))[0], "affinity"
-        if not chosen and request.cache_key is not None:
-            chosen, decision = {rendezvous(request.cache_key, sorted(by_id))}, "cache_key"
+        chosen, decision = self.table.longest_match(keys, set(loads))[0], "affinity"
+        if not chosen and cache_key is not None:
+            chosen, decision = {rendezvous(cache_key, replicas)} & loads.keys(), "cache_key"
         if not chosen or min(loads[rid] for rid in chosen) - lightest > self.imbalance_threshold:
-            self.record("fallback")
-            return await super().choose_replicas(candidate_replicas, pending_request)
-        self.record(decision)
-        # Serve takes the least loaded replica of the first rank that accepts.
-        return [[by_id[rid] for rid in sorted(chosen)],
-                [r for rid, r in by_id.items() if rid not in chosen]]
+            chosen, decision = random.sample(sorted(loads), min(2, len(loads))), "fallback"
+        return min(chosen, key=lambda rid: (loads[rid], random.random())), decision
+
+    async def queue_lengths(self, replicas) -> dict[str, int]:
+        """Each replica's ongoing requests as this caller knows them (Serve's cache, which every
+        send and every reply updates); a replica the cache has forgotten is asked (Serve's
+        probe), and one that does not answer in time is left out."""
+        cache = self.replica_queue_len_cache
+        known = {r.replica_id.to_full_id_str(): cache.get(r.replica_id) for r in replicas}
+        forgotten = [r for r in replicas if known[r.replica_id.to_full_id_str()] is None]
+        for replica, length in await self._probe_queue_lens(forgotten, 0):
+            known[replica.replica_id.to_full_id_str()] = length
+        return {rid: n for rid, n in known.items() if n is not None}
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:
         request = generate_request(pending_request)

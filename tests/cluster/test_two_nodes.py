@@ -8,7 +8,7 @@ cluster, with `external_scaler_enabled` (replicas set from outside). A real Prom
 scrapes every node through Ray's service-discovery file.
 
 Prefix-affinity routing keeps each conversation on one node's replica: its first turn goes where
-Serve's power of two choices sends it, every later turn to the replica holding its prefix; the
+power of two choices sends it, every later turn to the replica holding its prefix; the
 same for a Responses session continued by `previous_response_id`.
 
 Under load, the worker node's raylet is SIGKILLed: every request is counted (completed, or failed
@@ -299,7 +299,7 @@ async def test_prometheus_scrapes_every_node(cluster, app, prometheus):
 
 
 async def test_each_conversation_stays_on_the_replica_holding_its_prefix(lm_counts, app):
-    """Prefix-affinity routing across the nodes: a conversation's first turn goes where Serve's
+    """Prefix-affinity routing across the nodes: a conversation's first turn goes where
     power of two choices sends it, every later turn to the replica holding its prefix."""
     rng = random.Random(3)
     async with httpx.AsyncClient(timeout=300) as http:
