@@ -765,7 +765,8 @@ class DraftConfig(StrictModel):
         "(num_speculative_tokens is then the most; pipeline/speculative/adaptive.py)."))
     num_gpus: float = Field(0.0, ge=0, description=(
         "With `service`: GPUs Ray reserves for each DraftService replica (its drafter runs on "
-        "CUDA when set); 0: CPU."))
+        "CUDA when set); below 1, a share of one GPU, beside an LM rank when the LM's bundles "
+        "leave it, and the drafter's memory cap (`moonserve plan` counts it); 0: CPU."))
     deployment: DeploymentOptions = Field(DeploymentOptions(max_ongoing_requests=64), description=(
         "With `service`: Serve options of the DraftService; requests are sharded over "
         "`num_replicas` by request id (no autoscaling)."))

@@ -83,7 +83,7 @@ BENCHMARKS = {"overhead": bench_module("overhead"), "lanes": bench_module("lanes
 def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
-    from moonserve.pipeline.capacity.plan import EngineLimits, plan
+    from moonserve.pipeline.capacity.plan import EngineLimits, draft_service_weight_bytes, plan
     from moonserve.pipeline.capacity.registry import (
         BRIEF_USED_BYTES_PER_GPU_AT_START,
         DRAFTS,
@@ -98,6 +98,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if model is None:
             return 1
         draft = None if args.draft == "none" else DRAFTS[args.draft]
+        service_weights = draft_service_weight_bytes(model, DRAFTS[args.draft_service_model]) \
+            if args.draft_service_gpu_share and args.draft_service_model else 0.0
         kv_cache = k3_kv_cache_settings(args.num_speculative_tokens if draft else 0,
                                         args.enable_prefix_caching)
         result = plan(model, HARDWARE[args.hardware], args.tensor_parallel_size,
@@ -107,7 +109,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                           args.max_num_seqs, args.max_model_len,
                           None if args.draft_attention_backend == "auto"
                           else args.draft_attention_backend,
-                          args.encoder_gpu_memory_utilization))
+                          args.encoder_gpu_memory_utilization,
+                          args.draft_service_gpu_share, service_weights))
     except (ValueError, FileNotFoundError) as exc:
         print(f"moonserve plan: error: {exc}", file=sys.stderr)
         return 2
@@ -134,12 +137,17 @@ def apply_config_to_plan(args: argparse.Namespace) -> None:
     args.gpu_memory_utilization = engine.gpu_memory_utilization
     args.enable_prefix_caching = engine.enable_prefix_caching
     args.max_model_len, args.max_num_seqs = engine.max_model_len, engine.max_num_seqs
-    # Only an inline DSpark draft shares the LM's GPUs (the DraftService has its own).
+    # An inline DSpark draft is part of the engine; a DraftService asking for part of a GPU
+    # sits beside a TP rank (its weights: the K3 DSpark draft's, none for a model-free drafter).
     if draft.mode == "inline" and draft.drafter == "dspark":
         args.num_speculative_tokens = draft.num_speculative_tokens
         args.draft_attention_backend = draft.attention_backend or "auto"
     else:
         args.draft = "none"
+    args.draft_service_gpu_share = draft.num_gpus \
+        if draft.mode == "service" and 0 < draft.num_gpus < 1 else 0.0
+    if draft.drafter not in ("dspark", "dspark_context"):
+        args.draft_service_model = None
     # The encoder engine shares a GPU with a TP rank when it asks for part of one.
     encoder = app.vision.encoder if app.vision and app.vision.handover == "encoder_cache" \
         else None
@@ -153,7 +161,8 @@ def apply_config_to_plan(args: argparse.Namespace) -> None:
           f"{engine.max_num_seqs}, draft {args.draft} (k={args.num_speculative_tokens}, "
           f"attention {args.draft_attention_backend}; sized as the K3 DSpark draft), encoder "
           "share of one GPU "
-          f"{args.encoder_gpu_memory_utilization}", file=sys.stderr)
+          f"{args.encoder_gpu_memory_utilization}, DraftService share of one GPU "
+          f"{args.draft_service_gpu_share}", file=sys.stderr)
 
 
 def plan_model(args: argparse.Namespace):
@@ -285,6 +294,10 @@ def build_parser() -> argparse.ArgumentParser:
                       default=K3_ENCODER_GPU_MEMORY_UTILIZATION,
                       help="the VisionEncoder engine's share of one of these GPUs (default "
                       f"{K3_ENCODER_GPU_MEMORY_UTILIZATION}, the production config's; 0: none)")
+    plan.add_argument("--draft-service-gpu-share", type=float, default=0.0, metavar="SHARE",
+                      help="the DraftService's share of one of these GPUs (draft.num_gpus below "
+                      "1 with draft.mode service: also its memory cap), sized as the K3 DSpark "
+                      "draft with its own embedding and LM head (default 0: not on these GPUs)")
     plan.add_argument("--json", action="store_true", help="JSON instead of tables")
     plan.add_argument("--config", metavar="FILE", default=None,
                       help="take the engine settings from this Ray Serve config (e.g. "
@@ -295,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="plan with the weights check-checkpoint measures in PATH (bytes per GPU "
                       "as stored, vLLM's TP rules) and its config.json's layer and expert counts; "
                       "exits 1 if the check finds problems")
-    plan.set_defaults(func=cmd_plan)
+    plan.set_defaults(func=cmd_plan, draft_service_model="kimi-k3-dspark")
 
     check = sub.add_parser("check-checkpoint", help="preflight a safetensors checkpoint from its "
                            "headers: expected tensors, shapes, MXFP4 scales, bytes per TP rank",

@@ -40,7 +40,10 @@ Checks, in order (each prints {"check", "status": passed|failed|skipped, ...} on
      moonserve's `ServiceSpeculator` (pipeline/engine/speculator_v2.py) and decode CUDA graphs,
      as `WorkerProbe.runner_report` says; vLLM falling back to V1 or to eager fails it;
    - serve.context_rows (pro-service-context): the DraftService got one hidden-state row for
-     every token of a text chat but its newest (the target's aux hidden states, compiled).
+     every token of a text chat but its newest (the target's aux hidden states, compiled);
+   - serve.draft_gpu_share (a DraftService on part of a GPU, pro-service-context): it drafts on
+     the GPU an LM worker runs on, and its allocator's peak is above 0 and within its cap
+     (`draft.num_gpus` of the GPU's memory).
 
 `--dry-run` (CPU is enough) does 2 and 3 only. The summary (every line, device, wall time) goes to
 `--out`, default $OUT/gpu_smoke.json when $OUT is set. Exit status: 0 every check passed or was
@@ -74,11 +77,12 @@ PROFILES = {"pro": PRODUCTION_CONFIG, "recipe": RECIPE_CONFIG}
 # The DraftService path (draft.mode service) on model runner V2 (`ServiceSpeculator`): an n-gram
 # drafter needs no GPU of its own, so it runs beside the LM on a one-GPU machine.
 # pro-service-context: the DSpark drafter over the target's hidden states (`dspark_context`, the
-# tiny draft checkpoint, on the DraftService's CPU), which V2 takes from the compiled target; a
-# deadline a CPU drafter meets, so no step's rows are sent twice.
+# tiny draft checkpoint), which V2 takes from the compiled target, drafting on CUDA in 4% of the
+# LM's GPU (the LM's bundle holds 0.9 of it, the VisionEncoder 0.05), as the production config's
+# service alternative shares an LM GPU; a generous deadline, so no step's rows are sent twice.
 VARIANT_DRAFTS = {
     "pro-service": {"mode": "service", "drafter": "ngram", "num_gpus": 0},
-    "pro-service-context": {"mode": "service", "drafter": "dspark_context", "num_gpus": 0,
+    "pro-service-context": {"mode": "service", "drafter": "dspark_context", "num_gpus": 0.04,
                             "deadline_ms": 1000},
 }
 V2_RUNNER = "vllm.v1.worker.gpu.model_runner.GPUModelRunner"
@@ -453,6 +457,19 @@ def judge_context_rows(before: dict, after: dict, usage) -> tuple[bool, dict]:
         "reason": "hidden-state rows sent are not the tokens the target accepted"})}
 
 
+def judge_draft_gpu_share(draft: dict, workers: list[dict]) -> tuple[bool, dict]:
+    """The DraftService drafts on a GPU an LM worker runs on, and its allocator held memory
+    within its cap (`draft.num_gpus` of the GPU)."""
+    detail = {key: draft.get(key) for key in
+              ("gpu_uuid", "gpu_peak_reserved_bytes", "gpu_memory_cap_bytes")}
+    detail["lm_gpu_uuids"] = [w.get("gpu_uuid") for w in workers]
+    if draft.get("gpu_uuid") is None or draft["gpu_uuid"] not in detail["lm_gpu_uuids"]:
+        return False, {**detail, "reason": "the DraftService is not on a GPU the LM runs on"}
+    if not 0 < draft["gpu_peak_reserved_bytes"] <= draft["gpu_memory_cap_bytes"]:
+        return False, {**detail, "reason": "the drafter held no GPU memory, or more than its cap"}
+    return True, detail
+
+
 def serve_and_request(rec: Recorder, config_path: Path, port: int, workdir: Path,
                       start_timeout_s: float, log_copy: Path | None,
                       profile: str = "pro") -> None:
@@ -502,6 +519,10 @@ def serve_and_request(rec: Recorder, config_path: Path, port: int, workdir: Path
                 record("serve.context_rows", judge_context_rows(
                     before, serve_call(app_name, "stats", deployment="DraftService"),
                     reply.usage))
+        if args.draft.mode == "service" and 0 < args.draft.num_gpus < 1:
+            record("serve.draft_gpu_share", judge_draft_gpu_share(
+                serve_call(app_name, "stats", deployment="DraftService"),
+                serve_call(app_name, "collective_rpc", "runner_report")))
     except ServerFailed as exc:
         rec.record(f"{profile}:serve.start", "failed", reason=str(exc)[-4000:])
     except (subprocess.SubprocessError, ValueError) as exc:  # a replica call that failed

@@ -67,6 +67,9 @@ TRITON_MLA_LOGIT_BYTES = 4  # float32 partial logits and the log-sum-exp
 # vision: the ViT vLLM builds inside the engine, on every GPU; not read in decode.
 # draft: the speculative draft model's own weights; outside the one-token decode roofline.
 Role = Literal["routed_expert", "dense", "embedding_lookup", "vision", "draft"]
+# The target's groups a DSpark draft reads (embedding and LM head): vLLM's inline draft shares
+# them, a DraftService loads its own copy.
+DRAFT_SHARED_GROUPS = ("embed_tokens", "lm_head")
 MambaCacheMode = Literal["none", "align"]
 
 SOURCE_PREFIXES = ("brief", "vendor spec", "assumption:", "derived:", "input:", "measured:",
@@ -210,6 +213,10 @@ class EngineLimits:
     # The VisionEncoder's encoder-only engine on one of the node's GPUs (its vLLM
     # gpu_memory_utilization); 0: none on these GPUs.
     encoder_gpu_memory_utilization: float = 0.0
+    # The DraftService on one of the node's GPUs (draft.num_gpus, its allocator's cap), and the
+    # weights it loads there (0 for a model-free drafter); 0: none on these GPUs.
+    draft_service_gpu_share: float = 0.0
+    draft_service_weight_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -558,7 +565,30 @@ def outside_pool_terms(hardware: HardwareSpec, tensor_parallel_size: int,
             limits.encoder_gpu_memory_utilization * hardware.hbm_bytes_per_gpu,
             "input: vision.encoder.gpu_memory_utilization x HBM, the encoder-only vLLM engine "
             "beside one TP rank (vision.encoder.num_gpus)"))
+    if limits.draft_service_gpu_share:
+        cap = limits.draft_service_gpu_share * hardware.hbm_bytes_per_gpu
+        if limits.draft_service_weight_bytes > cap:
+            raise ValueError(f"draft.num_gpus={limits.draft_service_gpu_share}: the DraftService "
+                             f"may hold {cap / GB:.2f} GB of a {hardware.name} GPU, less than "
+                             f"the {limits.draft_service_weight_bytes / GB:.2f} GB of weights it "
+                             "loads (the draft, the target's embedding and LM head): raise it")
+        terms.append(ReserveTerm(
+            "draft_service (one GPU)", cap,
+            "input: draft.num_gpus x HBM, the DraftService's CUDA allocator cap "
+            "(deployments/draft.py set_per_process_memory_fraction) beside one TP rank; "
+            f"its weights {limits.draft_service_weight_bytes / GB:.2f} GB of it"))
     return tuple(terms)
+
+
+def draft_service_weight_bytes(model: ModelSpec, draft: DraftSpec) -> float:
+    """What a DraftService loads for `draft`: all of the draft's weights on one GPU, and its own
+    copy of the target's embedding and LM head (`models.dspark.target_shared_tensors`), which
+    vLLM's inline draft shares with the target instead."""
+    shared = [g for g in model.param_groups if g.name in DRAFT_SHARED_GROUPS]
+    if {g.name for g in shared} != set(DRAFT_SHARED_GROUPS):
+        raise ValueError(f"{model.name}: no {' and '.join(DRAFT_SHARED_GROUPS)} weights to size "
+                         "the DraftService's copy by")
+    return sum(g.num_bytes for g in draft.param_groups + tuple(shared))
 
 
 def runtime_reserve_terms(model: ModelSpec) -> tuple[ReserveTerm, ...]:
@@ -579,7 +609,8 @@ def plan(model: ModelSpec, hardware: HardwareSpec, tensor_parallel_size: int = 8
     settings that size KDA state (speculative tokens, prefix caching). Concurrency is at
     `decode_context_parallel_size`; `max_context_requests` shows one `model.max_context_len`-token
     request at every DCP size dividing TP. `limits` adds what vLLM holds outside its share (a
-    TRITON_MLA draft's workspace, the encoder engine's share of one GPU) and the request length
+    TRITON_MLA draft's workspace, the encoder engine's and the DraftService's shares of one GPU,
+    summed as if on the same GPU) and the request length
     vLLM checks at start. Raises ValueError on a layout vLLM would refuse, on a GPU those do not
     fit, and where one `max_model_len` request does not fit the KV pool (vLLM refuses to start).
     Example: see the module docstring.
@@ -628,7 +659,7 @@ def _check_fits(layout: HybridKVLayout, pool: float, hbm_left: float, max_model_
         held = ", ".join(f"{t.name} {t.bytes_per_gpu / GB:.2f} GB" for t in outside)
         raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} leaves "
                          f"{(hbm_left + sum(t.bytes_per_gpu for t in outside)) / GB:.2f} GB of a "
-                         f"GPU, and vLLM holds more beside it ({held}): lower "
+                         f"GPU, and more is held beside it ({held}): lower "
                          f"gpu_memory_utilization by {-hbm_left / GB:.2f} GB of the GPU or more")
     needed = request_bytes_per_gpu(layout, max_model_len, decode_context_parallel_size)
     usable = max(0.0, pool - layout.bytes_per_block * NULL_BLOCKS)

@@ -51,14 +51,18 @@ class WorkerProbe:
 
     def runner_report(self) -> dict:
         """The worker's model runner (its classes, most derived first: vLLM's V1 and V2 runners
-        are both named GPUModelRunner, in different modules), its speculator's class, and the
-        CUDA graph mode vLLM resolved."""
+        are both named GPUModelRunner, in different modules), its speculator's class, the CUDA
+        graph mode vLLM resolved, and the UUID of the worker's GPU."""
+        import torch
+
         runner = self.model_runner
         speculator = getattr(runner, "speculator", None) or getattr(runner, "drafter", None)
         mode = runner.vllm_config.compilation_config.cudagraph_mode
         return {"model_runner_mro": [qualified(c) for c in type(runner).__mro__],
                 "speculator": None if speculator is None else qualified(type(speculator)),
-                "cudagraph_mode": None if mode is None else getattr(mode, "name", str(mode))}
+                "cudagraph_mode": None if mode is None else getattr(mode, "name", str(mode)),
+                "gpu_uuid": str(torch.cuda.get_device_properties(self.device).uuid)
+                if torch.cuda.is_available() else None}
 
 
 def qualified(cls: type) -> str:

@@ -166,6 +166,20 @@ def test_every_profile_and_the_tp2_variant_get_a_valid_small_gpu_config(checkpoi
     context = load_app_config(paths["pro-service-context"])
     assert (context.draft.drafter, context.draft.model) == ("dspark_context", str(checkpoints[1]))
     assert not context.language_model.engine.enforce_eager  # V2 keeps its graphs
+    # The drafter on CUDA in what the LM's bundle and the VisionEncoder leave of the one GPU.
+    bundle_gpu = context.language_model.placement.bundles[0]["GPU"]
+    assert 0 < context.draft.num_gpus <= 1 - bundle_gpu - context.vision.encoder.num_gpus
+
+
+def test_the_draft_gpu_share_check_wants_the_lms_gpu_and_memory_within_the_cap():
+    workers = [{"gpu_uuid": "GPU-a"}, {"gpu_uuid": "GPU-b"}]
+    draft = {"gpu_uuid": "GPU-b", "gpu_peak_reserved_bytes": 3 << 20,
+             "gpu_memory_cap_bytes": 4 << 30}
+    assert gpu_smoke.judge_draft_gpu_share(draft, workers)[0]
+    for wrong in ({"gpu_uuid": "GPU-c"}, {"gpu_uuid": None}, {"gpu_peak_reserved_bytes": 0},
+                  {"gpu_peak_reserved_bytes": 5 << 30}):
+        ok, detail = gpu_smoke.judge_draft_gpu_share({**draft, **wrong}, workers)
+        assert not ok and detail["reason"], wrong
 
 
 def test_the_context_rows_check_wants_every_accepted_token_once():

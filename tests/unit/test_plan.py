@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 import pytest
+import yaml
 
 import moonserve.pipeline.capacity.plan
 import moonserve.pipeline.capacity.registry
@@ -22,6 +23,7 @@ from moonserve.pipeline.capacity.plan import (
     KVCacheSettings,
     ModelSpec,
     ParamGroup,
+    draft_service_weight_bytes,
     expected_distinct_experts,
     hybrid_kv_layout,
     plan,
@@ -477,8 +479,31 @@ def test_a_gpu_that_cannot_hold_the_share_the_workspace_and_the_encoder_is_refus
     limits = EngineLimits(draft_attention_backend="TRITON_MLA", encoder_gpu_memory_utilization=0.04)
     assert k3_plan(limits=limits, gpu_memory_utilization=0.9).hbm_left_bytes_per_gpu > 0
     with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.95 leaves 14.40 GB of a GPU, "
-                                         r"and vLLM holds more beside it \(triton_mla_workspace"):
+                                         r"and more is held beside it \(triton_mla_workspace"):
         k3_plan(limits=limits, gpu_memory_utilization=0.95)
+
+
+def test_a_draft_service_on_part_of_a_gpu_is_held_beside_the_engine_and_must_hold_its_weights():
+    """The DraftService on `draft.num_gpus` of one GPU: that share of HBM is its allocator's cap,
+    outside vLLM's share; it loads the whole draft and its own embedding and LM head."""
+    weights = draft_service_weight_bytes(K3, DSPARK)
+    by_name = {g.name: g for g in K3.param_groups}
+    assert weights == 2 * (sum(g.num_params for g in DSPARK.param_groups)
+                           + by_name["embed_tokens"].num_params + by_name["lm_head"].num_params)
+    assert 9.5e9 < weights < 9.6e9  # 2.41B draft + 2 x 1.17B, bf16
+    plain = k3_plan(draft=None)
+    shared = k3_plan(draft=None, limits=EngineLimits(draft_service_gpu_share=0.05,
+                                                     draft_service_weight_bytes=weights))
+    [term] = shared.outside_pool
+    assert term.name == "draft_service (one GPU)"
+    assert term.bytes_per_gpu == pytest.approx(0.05 * MI355X.hbm_bytes_per_gpu)
+    assert shared.kv_pool_bytes_per_gpu == plain.kv_pool_bytes_per_gpu
+    assert shared.hbm_left_bytes_per_gpu == pytest.approx(plain.hbm_left_bytes_per_gpu
+                                                          - term.bytes_per_gpu)
+    with pytest.raises(ValueError, match=r"draft.num_gpus=0.03: the DraftService may hold 8.64 GB "
+                                         r"of a mi355x GPU, less than the 9.51 GB of weights"):
+        k3_plan(draft=None, limits=EngineLimits(draft_service_gpu_share=0.03,
+                                                draft_service_weight_bytes=weights))
 
 
 def test_one_max_model_len_request_that_does_not_fit_is_refused_as_vllm_refuses_it():
@@ -510,3 +535,32 @@ def test_plan_counts_what_the_production_config_puts_beside_the_engine():
     assert outside["triton_mla_workspace (every GPU)"] == 8_606_711_808
     assert result["max_model_len"] == app.language_model.engine.max_model_len
     assert 0 < result["hbm_left_bytes_per_gpu"] < 10e9
+    assert "draft_service (one GPU)" not in outside  # inline: the draft is in the engine
+
+
+def test_plan_counts_the_draft_service_the_production_config_offers(tmp_path):
+    """The production config with `draft.mode: service` (its draft.num_gpus, a share of an LM
+    GPU): no draft in the engine, the DraftService's share beside the encoder's; an n-gram
+    DraftService loads no weights, so a smaller share passes."""
+    from moonserve.pipeline.config import load_app_config
+    from tests.conftest import REPO, run_cli
+
+    data = yaml.safe_load((REPO / "configs" / "mi355x-k3.1-pro.yaml").read_text())
+    draft = data["applications"][0]["args"]["draft"]
+    draft["mode"] = "service"
+    config = tmp_path / "service.yaml"
+    config.write_text(yaml.safe_dump(data))
+    share = load_app_config(config).draft.num_gpus
+    assert 0 < share < 1
+    result = json.loads(run_cli("plan", "--json", "--config", str(config)).stdout)
+    outside = {t["name"]: t["bytes_per_gpu"] for t in result["outside_pool"]}
+    assert result["draft_name"] is None and "triton_mla_workspace (every GPU)" not in outside
+    assert outside["draft_service (one GPU)"] == pytest.approx(share * MI355X.hbm_bytes_per_gpu)
+    assert result["hbm_left_bytes_per_gpu"] > 0
+    draft |= {"num_gpus": 0.01}
+    config.write_text(yaml.safe_dump(data))
+    refused = run_cli("plan", "--config", str(config))
+    assert refused.returncode == 2 and "draft.num_gpus=0.01" in refused.stderr
+    draft |= {"drafter": "ngram", "model": "embedded"}
+    config.write_text(yaml.safe_dump(data))
+    assert run_cli("plan", "--config", str(config)).returncode == 0

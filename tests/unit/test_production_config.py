@@ -121,7 +121,7 @@ def test_engine_arguments_reach_vllm_as_named(graph):
     assert args.mm_encoder_tp_mode == "data"
 
 
-def test_draft_service_variant_gets_its_own_gpu():
+def test_draft_service_variant_shares_an_lm_gpu():
     from moonserve.deployments.builder import build_app
 
     app = load_app_config(PRODUCTION)
@@ -130,7 +130,7 @@ def test_draft_service_variant_gets_its_own_gpu():
         env.setenv("MOONSERVE_API_KEYS", "sk-graph-test")
         graph = deployments_of(build_app(app.model_copy(update={"draft": draft})))
     service = graph["DraftService"]
-    assert service.ray_actor_options["num_gpus"] == 1
+    assert service.ray_actor_options["num_gpus"] == 0.05
     assert service._deployment_config.num_replicas == 1
     lm_kwargs = graph["LanguageModel"].init_kwargs  # draft_service: the handle the resolver asks
     assert lm_kwargs["draft"].mode == "service" and lm_kwargs["draft_service"] is not None
