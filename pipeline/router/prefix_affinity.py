@@ -22,7 +22,7 @@ choice is the least loaded of a rank by its queue-length cache, which it counts 
 only once the request is sent, and which forgets a replica after 10 s without news. Serve
 assigns a burst of queued requests in one pass, so every request of the burst saw the same
 loads, and a replica this caller had not heard from lately was passed over for one it had: six
-streams sent at once to two idle replicas all went to one (CI, stop 50). Here a replica the
+streams sent at once to two idle replicas all went to one (seen in CI). Here a replica the
 cache has forgotten is asked (Serve's probe) before the choice. The ranks after the first are the
 other replicas, least loaded first, so a full replica sends the request on rather than waiting.
 Ray Serve LLM's `PrefixCacheAffinityRouter` keys on text only (and asks a shared tree actor with

@@ -142,7 +142,7 @@ async def test_a_prefix_both_replicas_hold_goes_to_the_less_loaded():
 async def test_a_burst_spreads_over_idle_replicas_whatever_the_cache_remembers():
     """Serve assigns a burst of queued requests in one pass. r1 was heard from lately (its
     queue length is cached), r2's entry has expired: Serve's own choice sends all six to r1
-    (CI, stop 50); here r2 is asked first and each request counts against its replica at once."""
+    (seen in CI); here r2 is asked first and each request counts against its replica at once."""
     r1, r2 = idle("r1", "r2")
     router = make_router(r1, r2)
     router.replica_queue_len_cache.update(r1.replica_id, 0)
