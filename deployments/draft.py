@@ -112,10 +112,11 @@ class DraftService:
 
         # Drafting shares the node with the engine: nothing parallel inside one draft step.
         torch.set_num_threads(1)
-        if 0 < config.num_gpus < 1 and torch.cuda.is_available():
-            # A share of a GPU a LanguageModel rank also holds: the drafter may take that share of
-            # its memory and no more (`moonserve plan` counts it beside vLLM's share).
-            torch.cuda.set_per_process_memory_fraction(config.num_gpus)
+        # Below 1 GPU, a share of one a LanguageModel rank also holds: the drafter may take that
+        # share of its memory and no more (`moonserve plan` counts it beside vLLM's share).
+        self.gpu_share = config.num_gpus if 0 < config.num_gpus < 1 else 1.0
+        if self.gpu_share < 1 and torch.cuda.is_available():
+            torch.cuda.set_per_process_memory_fraction(self.gpu_share)
         self.config = config
         self.core = DraftCore(drafter_factories(config, draft_model_path, target_path),
                               config.drafter, config.sessions, prefetch=config.prefetch,
@@ -183,7 +184,7 @@ class DraftService:
         if len(rtt_ms) >= 2:
             cuts = statistics.quantiles(rtt_ms, n=100, method="inclusive")
             summary |= {"call_ms_p50": cuts[49], "call_ms_p99": cuts[98]}
-        return summary | gpu_report(self.config.num_gpus or 1.0)
+        return summary | gpu_report(self.gpu_share)
 
     async def evict_forever(self) -> None:
         while True:
@@ -202,7 +203,7 @@ class DraftService:
 
 def gpu_report(share: float) -> dict:
     """The GPU this replica drafts on, if any: its UUID, the most memory the drafter's allocator
-    has reserved, and the cap on it (`share` of the GPU's memory, `draft.num_gpus` when below 1)."""
+    has reserved, and the cap on it (`share` of the GPU's memory)."""
     import torch
 
     if not torch.cuda.is_available():
@@ -210,7 +211,7 @@ def gpu_report(share: float) -> dict:
     props = torch.cuda.get_device_properties(0)
     return {"gpu_uuid": str(props.uuid),
             "gpu_peak_reserved_bytes": torch.cuda.max_memory_reserved(0),
-            "gpu_memory_cap_bytes": int(min(share, 1.0) * props.total_memory)}
+            "gpu_memory_cap_bytes": int(share * props.total_memory)}
 
 
 def node_address() -> str:
