@@ -52,6 +52,7 @@ KINDS = {"chat": 3, "stream": 4, "image": 2, "tool": 2, "cancel": 2, "long": 1, 
 IMAGE_POOL = 32
 LONG_PROMPT_TOKENS = 1500
 MAX_TOKENS = 16
+MAX_LOSSES = 20  # lost requests whose details the result keeps
 TOOL_MAX_TOKENS = 64  # room for the whole call: a cut one is a 200 without tool_calls
 TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -102,9 +103,13 @@ class Tally:
 
     by_kind: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
     unexpected_5xx: int = 0
+    losses: list[dict] = field(default_factory=list)  # the first MAX_LOSSES lost, with details
 
-    def add(self, kind: str, outcome: str) -> None:
+    def add(self, kind: str, outcome: str, detail: str = "") -> None:
         self.by_kind[kind][outcome] += 1
+        if outcome.startswith("lost") and len(self.losses) < MAX_LOSSES:
+            self.losses.append({"kind": kind, "outcome": outcome, "detail": detail[:500],
+                                "at": time.strftime("%H:%M:%S")})
 
     def lost(self) -> int:
         return sum(n for c in self.by_kind.values() for o, n in c.items() if o.startswith("lost"))
@@ -187,40 +192,52 @@ async def send(session: aiohttp.ClientSession, url: str, kind: str, raw: bytes,
                 return tally.add(kind, "refused")
             if kind == "bad":
                 rejected = 400 <= r.status < 500
-                return tally.add(kind, "rejected" if rejected else f"lost/HTTP {r.status}")
+                return tally.add(kind, "rejected" if rejected else f"lost/HTTP {r.status}",
+                                 await r.text())
             if r.status != 200:
-                code = (await r.json(content_type=None)).get("error", {}).get("code")
+                text = await r.text()
+                code = error_code(text)
                 if kind == "tool" and code == "tool_call_incomplete":
                     return tally.add(kind, "cut")  # a 400 naming max_tokens, as designed
-                return tally.add(kind, f"lost/HTTP {r.status} {code}")
+                return tally.add(kind, f"lost/HTTP {r.status} {code}", text)
             if body.get("stream"):
-                return tally.add(kind, await read_stream(r, hang_up=kind == "cancel"))
+                return tally.add(kind, *await read_stream(r, hang_up=kind == "cancel"))
             data = await r.json()
             message = data["choices"][0]["message"]
             if kind == "tool" and not message.get("tool_calls"):
-                return tally.add(kind, "lost/no tool call")
-            tally.add(kind, "ok" if data["usage"]["completion_tokens"] > 0 else "lost/no tokens")
+                return tally.add(kind, "lost/no tool call", json.dumps(data))
+            tally.add(kind, "ok" if data["usage"]["completion_tokens"] > 0 else "lost/no tokens",
+                      json.dumps(data))
     except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError, KeyError) as exc:
-        tally.add(kind, f"lost/{type(exc).__name__}")
+        tally.add(kind, f"lost/{type(exc).__name__}", repr(exc))
 
 
-async def read_stream(response: aiohttp.ClientResponse, hang_up: bool) -> str:
-    """ok when the stream ends with usage and [DONE] and no error event; `hang_up` closes the
-    connection at the first content token (cancelled)."""
-    usage = False
+def error_code(text: str) -> str | None:
+    """The OpenAI error body's `code`, or None for a body that is not one (a proxy's own 5xx)."""
+    try:
+        return json.loads(text).get("error", {}).get("code")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+
+
+async def read_stream(response: aiohttp.ClientResponse, hang_up: bool) -> tuple[str, str]:
+    """(outcome, detail): ok when the stream ends with usage and [DONE] and no error event;
+    `hang_up` closes the connection at the first content token (cancelled)."""
+    usage, last = False, b""
     async for line in response.content:
         if not line.startswith(b"data: "):
             continue
+        last = line
         if line.startswith(b"data: [DONE]"):
-            return "ok" if usage else "lost/no usage"
+            return ("ok" if usage else "lost/no usage"), ""
         event = json.loads(line[6:])
         if "error" in event:
-            return f"lost/error event {event['error'].get('type')}"
+            return f"lost/error event {event['error'].get('type')}", line.decode()
         usage = usage or bool(event.get("usage"))
         if hang_up and event["choices"] and event["choices"][0]["delta"].get("content"):
             response.close()
-            return "cancelled"
-    return "lost/cut stream"
+            return "cancelled", ""
+    return "lost/cut stream", f"last event: {last.decode(errors='replace')}"
 
 
 def process_rss_mb(server: ServerProcess) -> dict[str, float]:
@@ -314,6 +331,7 @@ def judge(options: Options, tally: Tally, samples: list[dict], baseline_mb: floa
             "concurrency": options.concurrency, "sent": tally.sent(), "lost": tally.lost(),
             "unexpected_5xx": tally.unexpected_5xx,
             "requests": {k: dict(c) for k, c in sorted(tally.by_kind.items())},
+            "losses": tally.losses,
             "rss_warm_t_s": warm["t_s"], "rss_last_t_s": last["t_s"],
             "max_rss_growth": worst, "rss": growth,
             "object_store": {"baseline_mb": baseline_mb, "after_mb": after_mb,

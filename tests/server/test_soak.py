@@ -6,6 +6,7 @@ The 20-minute run and its RSS figures are in docs/benchmarks.md."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 from moonserve.pipeline.bench.soak import KINDS, Options, soak
 from tests.conftest import MODEL
@@ -19,7 +20,10 @@ def test_a_short_soak_of_the_whole_mix_loses_nothing(server):
     result = asyncio.run(soak(server.process, metrics, MODEL, options))
     summary = {k: v for k, v in result.items() if k != "samples"}
     assert set(result["requests"]) == set(KINDS), summary
-    assert result["lost"] == 0, summary
+    # As text: pytest cuts a dict's repr, and the losses' details are what a failure needs.
+    assert result["lost"] == 0, (f"lost: {json.dumps(result['losses'], indent=1)}\n"
+                                 f"requests: {result['requests']}\n"
+                                 f"server log:\n{server.process.log_tail(80)}")
     assert result["unexpected_5xx"] == 0, summary
     assert result["requests"]["bad"] == {"rejected": result["requests"]["bad"]["rejected"]}, summary
     assert result["requests"]["cancel"].get("cancelled"), summary

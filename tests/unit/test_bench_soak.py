@@ -35,12 +35,14 @@ def test_growth_counts_from_the_first_sample_after_the_warm_up():
 
 def test_losses_a_bad_request_answered_200_and_the_store_are_each_a_goal():
     tally = clean_tally()
-    tally.add("stream", "lost/cut stream")
+    tally.add("stream", "lost/cut stream", "last event: data: {}")
     tally.add("bad", "lost/HTTP 200")
     tally.unexpected_5xx = 1
     rows = samples((0, 1.0, {"a 1": 100}), (10, 3.0, {"a 1": 101}))
     result = judge(Options(warmup_s=0), tally, rows, baseline_mb=1.0, after_mb=1.5, settled_s=60)
     assert (result["sent"], result["lost"]) == (5, 2)
+    assert [(x["kind"], x["outcome"], x["detail"]) for x in result["losses"]] == [
+        ("stream", "lost/cut stream", "last event: data: {}"), ("bad", "lost/HTTP 200", "")]
     assert result["object_store"]["peak_mb"] == 3.0
     assert {k for k, met in result["goals"].items() if not met} == {
         "object_store_back_to_baseline", "nothing_lost", "no_unexpected_5xx", "bad_requests_4xx"}
