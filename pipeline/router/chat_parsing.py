@@ -69,13 +69,13 @@ class ParserTracebacks(logging.Filter):
 
 def quiet_parser_tracebacks(parser_cls) -> None:
     """`ParserTracebacks` on the loggers of the tool and reasoning parsers `parser_cls` composes
-    (vLLM names each logger after its module)."""
+    (vLLM names each logger after its module; a subclass's methods log to its bases' too)."""
     for cls in (getattr(parser_cls, "tool_parser_cls", None),
                 getattr(parser_cls, "reasoning_parser_cls", None)):
-        parser_logger = logging.getLogger(cls.__module__) if cls is not None else None
-        if parser_logger and not any(isinstance(f, ParserTracebacks)
-                                     for f in parser_logger.filters):
-            parser_logger.addFilter(ParserTracebacks())
+        for module in {base.__module__ for base in cls.__mro__[:-1]} if cls is not None else ():
+            parser_logger = logging.getLogger(module)
+            if not any(isinstance(f, ParserTracebacks) for f in parser_logger.filters):
+                parser_logger.addFilter(ParserTracebacks())
 
 
 class KimiK3Rendering(Rendering):
@@ -124,13 +124,15 @@ class ChatParsing:
     def __init__(self, tokenizer, config: ChatConfig, rendering: Rendering | None = None):
         from vllm.parser.parser_manager import ParserManager
 
+        from moonserve.pipeline.router.tool_parsers import with_fixed_tool_parser
+
         self.tokenizer = tokenizer
         self.config = config
         self.rendering = rendering or Rendering()
-        self.parser_cls = ParserManager.get_parser(
+        self.parser_cls = with_fixed_tool_parser(ParserManager.get_parser(
             tool_parser_name=config.tools.parser, reasoning_parser_name=config.reasoning.parser,
             enable_auto_tools=config.tools.parser is not None,
-            tool_strict_level=config.tools.strict_level, tokenizer=tokenizer)
+            tool_strict_level=config.tools.strict_level, tokenizer=tokenizer))
         quiet_parser_tracebacks(self.parser_cls)
 
     def plan(self, body: ChatCompletionRequest) -> ChatPlan:
@@ -339,6 +341,8 @@ class ChoiceParser:
         if self.plan.body.parallel_tool_calls is False:
             tool_calls = tool_calls[:1]
         if self.plan.forced_call and not tool_calls:
+            logger.warning("a forced tool call's answer (finish_reason %s) held no call the "
+                           "parser found: %r", choice.finish_reason, choice.text[:2000])
             raise forced_call_missing(choice, self.plan.body)
         message = {"content": content or (None if tool_calls else "")}
         if reasoning is not None:

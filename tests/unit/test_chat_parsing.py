@@ -545,6 +545,42 @@ def test_forced_call_cut_inside_its_arguments_streams_the_400(parsing, tokenizer
                                 "length"))
 
 
+# What `moonserve bench soak` found (1 in about 1,300 forced calls, answered 500): a sampled call
+# under the forced-call grammar, which lets a string hold any text, with the end tag in its
+# argument. vLLM's hermes parser cut the call there (vLLM issue 45167).
+TAG_IN_STRING = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "La Coruña,Espaial'
+                 '</tool_call-name></tool_call>,"}}\n</tool_call>')
+TAG_IN_STRING_CALLS = [("get_weather", {"city": "La Coruña,Espaial</tool_call-name></tool_call>,"})]
+# Escaped quotes and backslashes around the tag, then a second call.
+ESCAPES = call_text("get_weather", {"city": 'a "</tool_call>" b \\', "unit": "C"}) + "\n" + \
+    call_text("get_time", {"tz": '\\"</tool_call>'})
+ESCAPES_CALLS = [("get_weather", {"city": 'a "</tool_call>" b \\', "unit": "C"}),
+                 ("get_time", {"tz": '\\"</tool_call>'})]
+
+
+@pytest.mark.parametrize("merge", [1, 3, 1000])
+@pytest.mark.parametrize("text, expected", [(TAG_IN_STRING, TAG_IN_STRING_CALLS),
+                                            (ESCAPES, ESCAPES_CALLS)])
+@pytest.mark.parametrize("tool_choice", ["required", "auto"])
+def test_an_end_tag_inside_an_argument_string_does_not_end_the_call(
+        parsing, tokenizer, prompt_ids, text, expected, merge, tool_choice):
+    plan = parsing.plan(request(tools=TOOLS, tool_choice=tool_choice))
+    assert calls_of(finished(plan.choice_parser(prompt_ids), tokenizer, text)) == expected
+    content, calls = reassemble(run_stream(plan.choice_parser(prompt_ids),
+                                           stream_deltas(tokenizer, text, merge)))
+    assert content == ""
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == expected
+
+
+def test_vllms_own_hermes_parser_still_cuts_such_a_call(tokenizer):
+    """moonserve.pipeline.router.tool_parsers exists for this: when vLLM's parser reads the call
+    (its fix merged), this fails, and that module can go."""
+    from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
+
+    for text in (TAG_IN_STRING, ESCAPES):
+        assert not Hermes2ProToolParser(tokenizer).extract_tool_calls(text, None).tools_called
+
+
 def test_calls_cut_short_log_no_traceback(parsing, tokenizer, prompt_ids, caplog):
     """vLLM's hermes parser logs `logger.exception` for a call it cannot parse; a call cut by
     max_tokens is an expected outcome (answered as `tool_call_incomplete`, or as content under
@@ -557,7 +593,8 @@ def test_calls_cut_short_log_no_traceback(parsing, tokenizer, prompt_ids, caplog
             {"content": cut}
         rejected(lambda: run_stream(forced.choice_parser(prompt_ids),
                                     stream_deltas(tokenizer, cut), "length"))
-    parser_records = [r for r in caplog.records if r.name.startswith("vllm.tool_parsers")]
+    parser_records = [r for r in caplog.records if r.name.startswith(
+        ("vllm.tool_parsers", "moonserve.pipeline.router.tool_parsers"))]
     assert parser_records, "the parser logged nothing: this test no longer reaches its failure"
     assert all(r.exc_info is None and r.levelno == logging.DEBUG for r in parser_records)
     assert all("\n" not in r.getMessage() for r in parser_records)
