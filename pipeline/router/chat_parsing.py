@@ -341,8 +341,6 @@ class ChoiceParser:
         if self.plan.body.parallel_tool_calls is False:
             tool_calls = tool_calls[:1]
         if self.plan.forced_call and not tool_calls:
-            logger.warning("a forced tool call's answer (finish_reason %s) held no call the "
-                           "parser found: %r", choice.finish_reason, choice.text[:2000])
             raise forced_call_missing(choice, self.plan.body)
         message = {"content": content or (None if tool_calls else "")}
         if reasoning is not None:
@@ -396,5 +394,8 @@ def forced_call_missing(choice: ChoiceOutput, body: ChatCompletionRequest) -> AP
         return bad_request(
             f"{param}: a stop sequence ended the answer inside the tool call tool_choice "
             "requires; remove it or use tool_choice auto", param, "tool_call_incomplete")
+    # The grammar should have made this impossible: the answer goes to the log for a bug report.
+    logger.warning("a forced tool call's answer (finish_reason %s) held no call the parser "
+                   "found: %r", reason, choice.text[:2000])
     return APIError(500, f"the model ended ({reason}) without the tool call that tool_choice "
                     "requires", type="internal_error", code="tool_call_missing")

@@ -4,8 +4,9 @@ vLLM 0.32's `hermes` parser ends a call at the first `</tool_call>` in the text,
 JSON string of the call's arguments (vLLM issue 45167; the fix, PR 55848, is not merged). The
 grammar that holds a forced call (`tool_choice` required or named) lets a string hold any text,
 so a sampled answer can be a complete, valid call that the parser cuts: `json.loads` fails and
-the call is dropped, and a forced call answers 500 `tool_call_missing`. `moonserve bench soak`
-found it: 1 in about 1,300 forced calls on the embedded model, e.g. the answer
+the call is dropped, and a forced call answers 500 `tool_call_missing`. The soak
+(`moonserve bench soak`, tests/server/test_soak.py) lost such requests: 1 in about 1,300 forced
+calls on the embedded model, e.g. the answer
 `<tool_call>\\n{"name": "get_weather", "arguments": {"city": "La Coruña,Espaial</tool_call-name>
 </tool_call>,"}}\\n</tool_call>`.
 

@@ -727,7 +727,8 @@ def test_reasoning_effort_sets_the_templates_thinking_switch(effort, thinking):
         .template_kwargs()["enable_thinking"] is True
 
 
-def test_forced_call_cut_by_a_stop_sequence_is_a_400_naming_stop(parsing, tokenizer, prompt_ids):
+def test_forced_call_cut_by_a_stop_sequence_is_a_400_naming_stop(parsing, tokenizer, prompt_ids,
+                                                                 caplog):
     cut = "<tool_call>"
     plan = parsing.plan(request(tools=TOOLS, tool_choice="required", stop=["\n"]))
     err = rejected(lambda: finished(plan.choice_parser(prompt_ids), tokenizer, cut, "stop"))
@@ -735,11 +736,15 @@ def test_forced_call_cut_by_a_stop_sequence_is_a_400_naming_stop(parsing, tokeni
     plan = parsing.plan(request(tools=TOOLS, tool_choice="required", stop_token_ids=[198]))
     assert rejected(lambda: finished(plan.choice_parser(prompt_ids), tokenizer, cut,
                                      "stop")).param == "stop_token_ids"
-    # Without a stop sequence of the request's, a missing call is the server's failure.
+    # Without a stop sequence of the request's, a missing call is the server's failure, and its
+    # answer goes to the log (the 400s above are the client's and log nothing).
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     plan = parsing.plan(request(tools=TOOLS, tool_choice="required"))
     with pytest.raises(APIError) as err:
         finished(plan.choice_parser(prompt_ids), tokenizer, cut, "stop")
     assert err.value.status == 500
+    [record] = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert repr(cut) in record.getMessage()
 
 
 # ---- Kimi K3: rendered as vLLM's KimiK3Renderer renders it (no K3 tokenizer here: a recording
