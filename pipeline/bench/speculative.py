@@ -25,7 +25,9 @@ concurrency: decode tokens/s (completion tokens / wall time; the median over rou
 `speedup_vs_off` from the medians), per-request latency and TTFT, and from the engine and the
 service: acceptance rate (accepted / draft tokens), mean acceptance length (1 + accepted /
 drafts: tokens per verify step, as vLLM logs it) and prefetch hit rate (the prefetched drafts
-that answered the next step: how often the overlap held).
+that answered the next step: how often the overlap held); and `cpu_s`, the CPU seconds the
+server's processes used during the cell: vLLM's engine, the DraftService replica, the rest
+(`cpu_part`), since on a machine with few cores the parts take turns on them.
 
 After the arms, `hidden_state_steps` (`moonserve.pipeline.bench.hidden_steps`): draft steps that
 carry the target's hidden states to the `dspark_context` drafter through a real step server, at
@@ -214,8 +216,39 @@ def counters(lm, draft) -> dict:
     return out
 
 
+DRAFT_SERVICE_TITLE = "ray::ServeReplica:moonserve:DraftService"
+
+
+def cpu_part(title: str) -> str:
+    """Which part of the server a process is, by its title (argv[0]): `engine` (vLLM's engine
+    core and its workers), `draft_service` (the DraftService replica), `rest` (Ray's daemons,
+    Serve's proxy, the other replicas)."""
+    if title.startswith("VLLM"):
+        return "engine"
+    return "draft_service" if title.startswith(DRAFT_SERVICE_TITLE) else "rest"
+
+
+def cpu_seconds(pids: list[int]) -> dict[str, float]:
+    """CPU seconds (user + system) the processes `pids` have used so far, by `cpu_part`."""
+    import psutil
+
+    out = dict.fromkeys(("engine", "draft_service", "rest"), 0.0)
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            title, times = (process.cmdline() or [""])[0], process.cpu_times()
+        except psutil.Error:
+            continue
+        out[cpu_part(title)] += times.user + times.system
+    return out
+
+
+def server_pids(server: ServerProcess) -> list[int]:
+    return [server.pid, *(p.pid for p in server.descendants())]
+
+
 def measure(base_url: str, model: str, workload: Prompts | Sessions, concurrency: int,
-            arm: Arm, lm, draft) -> dict:
+            arm: Arm, lm, draft, server: ServerProcess) -> dict:
     """One round of one cell: the workload at `concurrency` on an engine whose prefix cache was
     emptied (arms sharing an engine would reuse each other's prefills), after one warm-up
     request, with the arm's drafter new (a suffix drafter would otherwise draft answers it saw
@@ -228,7 +261,10 @@ def measure(base_url: str, model: str, workload: Prompts | Sessions, concurrency
         draft.set_drafter.remote(arm.drafter, arm.adaptive, settings=arm.settings,
                                  prefetch=arm.prefetch).result()
     before = counters(lm, draft)
+    pids = server_pids(server)
+    cpu_before = cpu_seconds(pids)
     results, texts, wall = workload.run(url, model, concurrency)
+    cpu_after = cpu_seconds(pids)
     after = counters(lm, draft)
     call_ms = after.pop("call_ms", None)
     min_acceptance = after.pop("min_acceptance", None)
@@ -254,6 +290,8 @@ def measure(base_url: str, model: str, workload: Prompts | Sessions, concurrency
         "draft_call_ms": call_ms,
         # the acceptance threshold the engine's load set for the cell's last draft step
         "min_acceptance_last": min_acceptance,
+        # CPU seconds the server's parts used during the cell (the machine's cores are shared)
+        "cpu_s": {part: round(cpu_after[part] - cpu_before[part], 2) for part in cpu_after},
         "texts": texts,  # in prompt (agentic: session) order, compared across arms
     }
 
@@ -287,7 +325,8 @@ def run_engine(engine: str, arms: dict[str, Arm], args, tmp: Path) -> dict[str, 
                     for workload, load in loads.items():
                         for c in args.concurrency:
                             rounds.setdefault((name, workload, c), []).append(
-                                measure(server.base_url, model, load, c, arm, lm, draft))
+                                measure(server.base_url, model, load, c, arm, lm, draft,
+                                        server))
         finally:
             ray.shutdown()
     results: dict[str, dict] = {}
