@@ -97,6 +97,25 @@ def test_streamed_tool_call_equals_the_full_answer(client):
     assert chunks[-1].usage.completion_tokens > 0
 
 
+def test_an_argument_that_holds_the_end_tag_is_still_a_call(client):
+    """`const` holds the argument to a value with `</tool_call>` in it, so the model must write the
+    end tag inside the call's JSON string; vLLM's hermes parser ended the call there and the
+    request answered 500 `tool_call_missing` (moonserve.pipeline.router.tool_parsers)."""
+    value = 'say "</tool_call>" \\ then stop'
+    echo = {"type": "function", "function": {"name": "echo", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string", "const": value}},
+        "required": ["text"]}}}
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Echo the text."}],
+                  tools=[echo], tool_choice="required", parallel_tool_calls=False, max_tokens=64,
+                  temperature=0)
+    [call] = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("echo", {"text": value})
+    calls, finish = reassemble(client.chat.completions.create(**kwargs, stream=True))
+    assert finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == \
+        [("echo", {"text": value})]
+
+
 def test_parallel_tool_calls_false_gives_one_call(client):
     response = client.chat.completions.create(
         model=MODEL,
