@@ -193,9 +193,9 @@ async def send(session: aiohttp.ClientSession, url: str, kind: str, raw: bytes,
             if kind == "bad":
                 rejected = 400 <= r.status < 500
                 return tally.add(kind, "rejected" if rejected else f"lost/HTTP {r.status}",
-                                 await r.text())
+                                 await r.text(errors="replace"))
             if r.status != 200:
-                text = await r.text()
+                text = await r.text(errors="replace")
                 code = error_code(text)
                 if kind == "tool" and code == "tool_call_incomplete":
                     return tally.add(kind, "cut")  # a 400 naming max_tokens, as designed
@@ -206,8 +206,9 @@ async def send(session: aiohttp.ClientSession, url: str, kind: str, raw: bytes,
             message = data["choices"][0]["message"]
             if kind == "tool" and not message.get("tool_calls"):
                 return tally.add(kind, "lost/no tool call", json.dumps(data))
-            tally.add(kind, "ok" if data["usage"]["completion_tokens"] > 0 else "lost/no tokens",
-                      json.dumps(data))
+            if data["usage"]["completion_tokens"] == 0:
+                return tally.add(kind, "lost/no tokens", json.dumps(data))
+            tally.add(kind, "ok")
     except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError, KeyError) as exc:
         tally.add(kind, f"lost/{type(exc).__name__}", repr(exc))
 
@@ -232,7 +233,8 @@ async def read_stream(response: aiohttp.ClientResponse, hang_up: bool) -> tuple[
             return ("ok" if usage else "lost/no usage"), ""
         event = json.loads(line[6:])
         if "error" in event:
-            return f"lost/error event {event['error'].get('type')}", line.decode()
+            return (f"lost/error event {event['error'].get('type')}",
+                    line.decode(errors="replace"))
         usage = usage or bool(event.get("usage"))
         if hang_up and event["choices"] and event["choices"][0]["delta"].get("content"):
             response.close()

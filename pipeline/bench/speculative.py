@@ -56,6 +56,7 @@ from pathlib import Path
 from moonserve.pipeline.bench import agentic, hidden_steps
 from moonserve.pipeline.bench.client import percentile, run_load
 from moonserve.pipeline.bench.corpus import chat_prompts, copy_prompts, short_chat_prompts
+from moonserve.pipeline.bench.overhead import cpu_per_token, cpu_seconds_by_process
 from moonserve.pipeline.config import DEFAULT_CONFIG, load_app_config, write_with_args
 from moonserve.pipeline.app.launch import ServerProcess, join_ray
 
@@ -228,23 +229,13 @@ def cpu_part(title: str) -> str:
     return "draft_service" if title.startswith(DRAFT_SERVICE_TITLE) else "rest"
 
 
-def cpu_seconds(pids: list[int]) -> dict[str, float]:
-    """CPU seconds (user + system) the processes `pids` have used so far, by `cpu_part`."""
-    import psutil
-
+def cpu_by_part(before: dict, after: dict) -> dict[str, float]:
+    """CPU seconds by `cpu_part` between two readings of `cpu_seconds_by_process` (the overhead
+    bench's: a process that ended in between is not counted, one that started counts in full)."""
     out = dict.fromkeys(("engine", "draft_service", "rest"), 0.0)
-    for pid in pids:
-        try:
-            process = psutil.Process(pid)
-            title, times = (process.cmdline() or [""])[0], process.cpu_times()
-        except psutil.Error:
-            continue
-        out[cpu_part(title)] += times.user + times.system
-    return out
-
-
-def server_pids(server: ServerProcess) -> list[int]:
-    return [server.pid, *(p.pid for p in server.descendants())]
+    for title, ms in cpu_per_token(before, after, 1).items():
+        out[cpu_part(title)] += ms / 1000
+    return {part: round(seconds, 2) for part, seconds in out.items()}
 
 
 def measure(base_url: str, model: str, workload: Prompts | Sessions, concurrency: int,
@@ -261,10 +252,9 @@ def measure(base_url: str, model: str, workload: Prompts | Sessions, concurrency
         draft.set_drafter.remote(arm.drafter, arm.adaptive, settings=arm.settings,
                                  prefetch=arm.prefetch).result()
     before = counters(lm, draft)
-    pids = server_pids(server)
-    cpu_before = cpu_seconds(pids)
+    cpu_before = cpu_seconds_by_process(server)
     results, texts, wall = workload.run(url, model, concurrency)
-    cpu_after = cpu_seconds(pids)
+    cpu_after = cpu_seconds_by_process(server)
     after = counters(lm, draft)
     call_ms = after.pop("call_ms", None)
     min_acceptance = after.pop("min_acceptance", None)
@@ -291,7 +281,7 @@ def measure(base_url: str, model: str, workload: Prompts | Sessions, concurrency
         # the acceptance threshold the engine's load set for the cell's last draft step
         "min_acceptance_last": min_acceptance,
         # CPU seconds the server's parts used during the cell (the machine's cores are shared)
-        "cpu_s": {part: round(cpu_after[part] - cpu_before[part], 2) for part in cpu_after},
+        "cpu_s": cpu_by_part(cpu_before, cpu_after),
         "texts": texts,  # in prompt (agentic: session) order, compared across arms
     }
 

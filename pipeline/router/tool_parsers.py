@@ -12,7 +12,11 @@ calls on the embedded model, e.g. the answer
 
 `HermesToolParser` looks for the end tag outside the call's JSON strings, in whole answers and
 in streams, and is otherwise vLLM's parser (`tests/unit/test_chat_parsing.py` checks vLLM's own
-parser still cuts such a call: when it stops doing so, this module can go).
+parser still cuts such a call: when it stops doing so, this module can go). Where it differs
+besides: a whole answer whose last call is complete JSON followed by part of the end tag is that
+call (as vLLM's streaming path reads it; vLLM's whole-answer path gives content); and a stream
+whose call has an unbalanced quote (possible only where no grammar holds the call) runs on to
+the end of the text instead of stopping at the next end tag.
 
 Example:
     >>> parser_cls = with_fixed_tool_parser(ParserManager.get_parser(tool_parser_name="hermes",
@@ -69,8 +73,9 @@ class HermesToolParser(Hermes2ProToolParser):
             tool_calls = [ToolCall(type="function", function=FunctionCall(
                 name=call["name"], arguments=json.dumps(call["arguments"], ensure_ascii=False)))
                 for call in calls]
-        except (ValueError, KeyError, TypeError) as exc:
-            # vLLM's parser returns the text as content too (a malformed call under `auto`).
+        except Exception as exc:  # noqa: BLE001 - as vLLM's parser: any failure is no call
+            # The text as content (a malformed call under `auto`; nesting past json's recursion
+            # limit raises RecursionError).
             logger.debug("no tool call parsed (%s): %r", exc, model_output[:500])
             return ExtractedToolCallInformation(tools_called=False, tool_calls=[],
                                                 content=model_output)

@@ -572,6 +572,12 @@ def test_an_end_tag_inside_an_argument_string_does_not_end_the_call(
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == expected
 
 
+def test_a_call_nested_past_jsons_limit_is_content_under_auto(parsing, tokenizer, prompt_ids):
+    text = "<tool_call>" + "[" * 5000 + "</tool_call>"  # json.loads: RecursionError
+    plan = parsing.plan(request(tools=TOOLS))
+    assert finished(plan.choice_parser(prompt_ids), tokenizer, text) == {"content": text}
+
+
 def test_vllms_own_hermes_parser_still_cuts_such_a_call(tokenizer):
     """moonserve.pipeline.router.tool_parsers exists for this: when vLLM's parser reads the call
     (its fix merged), this fails, and that module can go."""
