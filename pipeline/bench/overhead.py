@@ -369,10 +369,16 @@ def pipeline_config(config_path: str, draft: str, out: Path, ingress: str = "pro
 ENGINE_TITLES = ("EngineCore", "VLLM::Worker")
 
 
+def is_engine(title: str) -> bool:
+    """Whether a process title (as `cpu_seconds_by_process` gives it) is vLLM's engine core or
+    one of its workers."""
+    return any(e in title for e in ENGINE_TITLES)
+
+
 def serving_cpu(cpu_ms: dict[str, float]) -> float:
     """CPU ms per token of everything but the engine core and its workers: the serving path
     (vLLM's API server; or the Router, proxy, LanguageModel replica, Ray's daemons)."""
-    return sum(ms for title, ms in cpu_ms.items() if not any(e in title for e in ENGINE_TITLES))
+    return sum(ms for title, ms in cpu_ms.items() if not is_engine(title))
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,11 @@ from pathlib import Path
 from moonserve.pipeline.bench import agentic, hidden_steps
 from moonserve.pipeline.bench.client import percentile, run_load
 from moonserve.pipeline.bench.corpus import chat_prompts, copy_prompts, short_chat_prompts
-from moonserve.pipeline.bench.overhead import cpu_per_token, cpu_seconds_by_process
+from moonserve.pipeline.bench.overhead import (
+    cpu_per_token,
+    cpu_seconds_by_process,
+    is_engine,
+)
 from moonserve.pipeline.config import DEFAULT_CONFIG, load_app_config, write_with_args
 from moonserve.pipeline.app.launch import ServerProcess, join_ray
 
@@ -221,10 +225,11 @@ DRAFT_SERVICE_TITLE = "ray::ServeReplica:moonserve:DraftService"
 
 
 def cpu_part(title: str) -> str:
-    """Which part of the server a process is, by its title (argv[0]): `engine` (vLLM's engine
-    core and its workers), `draft_service` (the DraftService replica), `rest` (Ray's daemons,
-    Serve's proxy, the other replicas)."""
-    if title.startswith("VLLM"):
+    """Which part of the server a process is, by its title (`cpu_seconds_by_process`'s):
+    `engine` (vLLM's engine core and its workers, the overhead bench's `is_engine`),
+    `draft_service` (the DraftService replica), `rest` (Ray's daemons, Serve's proxy, the other
+    replicas)."""
+    if is_engine(title):
         return "engine"
     return "draft_service" if title.startswith(DRAFT_SERVICE_TITLE) else "rest"
 
