@@ -1,20 +1,20 @@
 """What every test directory shares: paths, the model name, and the markers applied at collection.
 
-- `server`: every test that uses the `server` fixture (tests/server/conftest.py), directly or
-  through other fixtures, needs the live app, and so does every test in tests/cluster (its own
-  two-node cluster) and tests/engines (apps and engines of their own, one at a time); `pytest -m
-  "not server"` runs everything else.
-- pytest-xdist (`-n auto`): each module is a group that runs on one worker, so its module fixtures
-  (an embedded build, Triton's interpreter) start once; each directory that holds engines is one
-  group. `pytest -m "not server" -n auto` is how the modules without engines run on every core.
-  The whole suite runs in one process by default: under `-n 2` here it took 1714-1966 s against
-  2113 s, but the timing-bound tests beside another worker's engines failed (the soak drew too
-  few requests in its 30 s; docs/benchmarks.md). Drivers join their own app's Ray cluster by
-  address (`join_ray(process.ray_address())`), never "auto", which takes any cluster on the
-  machine. tests/cluster and tests/engines sort before tests/server, so their engines are gone
-  before the session server's starts.
+- `server`: every test that uses the `server` fixture (the session servers of tests/server, on
+  the tiny model, and tests/smollm2, on SmolLM2: tests/serving.py), directly or through other
+  fixtures, needs the live app, and so does every test in tests/cluster (its own two-node
+  cluster) and tests/engines (apps and engines of their own, one at a time); `pytest -m "not
+  server"` runs everything else.
+- pytest-xdist: the suite runs on two workers (pyproject's addopts, `-n 2`; `-n 0` runs it in
+  this process). Each directory that holds engines is one group and each other module one
+  group; a group's tests run in order on one worker, so its fixtures start once (a session
+  server is package-scoped: it stops when its directory's tests are done). The groups with
+  engines go out first (ENGINE_GROUPS). The engines a worker starts bind to its own core,
+  so the two workers' engines never share one (`share_cores`).
+  Drivers join their own app's Ray cluster by address (`join_ray(process.ray_address())`),
+  never "auto", which takes any cluster on the machine.
 - `gpu`: skipped when there is no CUDA/ROCm device.
-- `destructive`: kills parts of the session server, so these run after everything else.
+- `destructive`: kills parts of its directory's session server, so these run last in it.
 """
 
 from __future__ import annotations
@@ -61,6 +61,17 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
         except SystemExit as exit_:  # argparse: --help (0) and usage errors (2)
             code = exit_.code if isinstance(exit_.code, int) else 1
     return subprocess.CompletedProcess(["moonserve", *args], code, out.getvalue(), err.getvalue())
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    """The `anthropic` client on the directory's session server."""
+    import anthropic
+
+    return anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0,
+                               timeout=120)
+
+
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory):
     """A real Redis server (Debian's `redis-server`, README setup) on a free port, for the
@@ -103,11 +114,14 @@ MODEL = "moonserve-embedded"  # the served model name in LOCAL_CONFIG
 OWN_APP_TESTS = (REPO / "tests" / "cluster", REPO / "tests" / "engines")
 
 
-# pytest-xdist's groups (`-n auto`): a group's tests run in order on one worker, so its fixtures
-# start once. One per directory that holds engines (its session or module apps start once, and
-# one worker's tests never see another's engines); else one per module.
-ENGINE_GROUPS = {"tests/server/": "session-server", "tests/cluster/": "cluster",
-                 "tests/engines/": "engines"}
+# pytest-xdist's groups: a group's tests run in order on one worker, so its fixtures start once.
+# One per directory that holds engines (its session or module apps start once, and one worker's
+# tests never see another's engines), in the order they go out: the two longest first, one on
+# each worker, the two-node cluster in a fresh worker (two runs that sent it out after
+# tests/smollm2, in the worker that had served it, lost every gauge of its app from Prometheus;
+# cause not found); else one per module.
+ENGINE_GROUPS = {"tests/cluster/": "cluster", "tests/server/": "session-server",
+                 "tests/smollm2/": "smollm2", "tests/engines/": "engines"}
 
 
 def xdist_group(nodeid: str) -> str:
@@ -121,8 +135,7 @@ def pytest_xdist_make_scheduler(config, log):
     reads (pytest-xdist#1386: every test then goes out on its own, silently)."""
     from xdist.scheduler import LoadScopeScheduling
 
-    # Groups in collection order, not largest first: `-m "not server" -n auto` took 165.8 s so
-    # and 190.9 s largest first (one run each, this 2-core machine).
+    # Groups in collection order (pytest_collection_modifyitems puts the engines' first).
     config.option.loadscopereorder = False
 
     class GroupScheduling(LoadScopeScheduling):
@@ -134,12 +147,22 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_configure(config):
     if hasattr(config, "workerinput"):
-        # torch's threads in this worker: its share of the cores, not all of them, which the
-        # other workers' tests (and engines) use too.
-        import torch
+        share_cores(int(config.workerinput["workerid"].removeprefix("gw")),
+                    int(config.workerinput["workercount"]))
 
-        workers = int(config.workerinput["workercount"])
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+def share_cores(index: int, workers: int) -> None:
+    """The vLLM engines this worker starts bind their OpenMP threads to the worker's share of the
+    cores (the servers it starts inherit VLLM_CPU_OMP_THREADS_BIND; with vLLM's `auto` every
+    engine takes the first core, so two workers' engines would share it); torch's threads here:
+    as many. Every other process runs where the OS puts it, so a worker waiting on a paced
+    stream leaves both cores to the other."""
+    import torch
+
+    cores = sorted(os.sched_getaffinity(0))
+    share = cores[index % len(cores)::workers] or cores
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, share))
+    torch.set_num_threads(len(share))
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -148,7 +171,16 @@ def pytest_collection_modifyitems(session, config, items):
                 any(d in item.path.parents for d in OWN_APP_TESTS):
             item.add_marker(pytest.mark.server)
     skip_gpu_tests_without_a_device(items)
-    items.sort(key=lambda item: item.get_closest_marker("destructive") is not None)
+    items.sort(key=run_order)
+
+
+def run_order(item) -> tuple[int, bool]:
+    """The groups with engines first, in ENGINE_GROUPS' order, then the rest as collected; a
+    group's destructive tests last in it (sort is stable)."""
+    group = xdist_group(item.nodeid)
+    rank = list(ENGINE_GROUPS.values()).index(group) if group in ENGINE_GROUPS.values() \
+        else len(ENGINE_GROUPS)
+    return rank, item.get_closest_marker("destructive") is not None
 
 
 def skip_gpu_tests_without_a_device(items) -> None:

@@ -1,7 +1,7 @@
 """A vLLM general plugin (entry point `vllm.general_plugins` in pyproject.toml): vLLM loads it in
 every process it starts, engine workers included, before any model runs.
 
-Three fixes for vLLM 0.32's CPU build, and on GPUs one addition (4).
+Three fixes for vLLM 0.32's CPU build, a step pace for tests (4), and on GPUs one addition (5).
 
 1. Seeded long prompts. A seeded request (`seed` in the API) whose sampled token is discarded (a
    partial prefill chunk: any prompt longer than one engine step's token budget) makes the model
@@ -18,7 +18,7 @@ Three fixes for vLLM 0.32's CPU build, and on GPUs one addition (4).
    (temperature > 0) requests with drafts then accept and recover the wrong tokens: measured on
    the embedded model with vLLM's own ngram drafter, a continuation of probability 0.85 came out
    98 times in 400 samples, and a junk token 182 times. On CPU the expansion is plain torch.
-   `tests/server/test_speculative_server.py` checks sampled tokens against the model's exact
+   `tests/smollm2/test_speculative.py` checks sampled tokens against the model's exact
    distribution.
 
 3. Top-k with speculation. In a step whose requests have no draft positions, the rejection sampler
@@ -27,7 +27,14 @@ Three fixes for vLLM 0.32's CPU build, and on GPUs one addition (4).
    `top_k` did this within its first tokens (tests/server/test_sampling_extensions.py). On CPU,
    zero rows skip the constraint (there is nothing to constrain).
 
-4. The DraftService on model runner V2 (GPUs). V2 has no `custom_class` proposer: its
+4. A step pace (CPU, for tests): `LanguageModel.collective_rpc("set_step_pace", seconds)` makes
+   each of the worker's model steps last at least that long, the rest slept (the core stays
+   free); 0 turns it off; MOONSERVE_STEP_PACE_S in the engine's environment sets it from the
+   start. A tiny random-weight model then keeps a real model's timing: the tests that hold a
+   slot or a stream for a while run on it (tests/serving.py `RunningServer.paced`, the
+   two-node cluster of tests/cluster).
+
+5. The DraftService on model runner V2 (GPUs). V2 has no `custom_class` proposer: its
    `init_speculator` builds speculators by method name, and `VllmConfig` lists custom_class among
    the features V2 lacks, so vLLM falls back to V1 (or, with `VLLM_USE_V2_MODEL_RUNNER=1`, fails).
    For moonserve's `ServiceProposer` only, `init_speculator` builds `ServiceSpeculator`
@@ -36,6 +43,9 @@ Three fixes for vLLM 0.32's CPU build, and on GPUs one addition (4).
 """
 
 from __future__ import annotations
+
+import os
+import time
 
 
 SERVICE_PROPOSER = "moonserve.pipeline.engine.proposer.ServiceProposer"
@@ -50,6 +60,7 @@ def register() -> None:
         return
     skip_generator_rewind()
     expand_draft_sampling_params()
+    step_pace()
 
 
 def is_service_proposer(speculative_config) -> bool:
@@ -58,7 +69,7 @@ def is_service_proposer(speculative_config) -> bool:
 
 
 def service_speculator_on_v2() -> None:
-    """Model runner V2 builds `ServiceSpeculator` for `ServiceProposer` (item 4 above)."""
+    """Model runner V2 builds `ServiceSpeculator` for `ServiceProposer` (item 5 above)."""
     import sys
 
     from vllm.config import VllmConfig
@@ -158,3 +169,30 @@ def expand_draft_sampling_params() -> None:
 
     apply_top_k_top_p.moonserve_empty_rows = True
     rejection_sampler.apply_top_k_top_p = apply_top_k_top_p
+
+
+def step_pace() -> None:
+    """Item 4: `set_step_pace(seconds)` on vLLM's worker (what `collective_rpc` calls by name),
+    and each `execute_model` padded to at least that many seconds."""
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    original = WorkerWrapperBase.execute_model
+    if getattr(original, "moonserve_pace", False):
+        return
+    from_start = float(os.environ.get("MOONSERVE_STEP_PACE_S", "0"))
+
+    def execute_model(self, *args, **kwargs):
+        began = time.monotonic()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            rest = getattr(self, "moonserve_step_pace_s", from_start) - (time.monotonic() - began)
+            if rest > 0:
+                time.sleep(rest)
+
+    def set_step_pace(self, seconds: float) -> None:
+        self.moonserve_step_pace_s = float(seconds)
+
+    execute_model.moonserve_pace = True
+    WorkerWrapperBase.execute_model = execute_model
+    WorkerWrapperBase.set_step_pace = set_step_pace

@@ -40,7 +40,8 @@ EMBEDDED_DRAFTER = Artifact("dspark-embedded", format_version=1)
 
 def prepare_drafter(lm_path: Path | str | None = None, home: Path | None = None) -> Path:
     """The embedded DSpark drafter, built from the embedded target's embedding, LM head and a few
-    of its layers; idempotent.
+    of its layers; idempotent. Built from another LM (the tiny test model), it has a folder of
+    its own.
 
     Not a trained drafter: its block positions after the first are weak (docs/speculative.md);
     a real DSpark checkpoint goes in `draft.model`.
@@ -50,8 +51,11 @@ def prepare_drafter(lm_path: Path | str | None = None, home: Path | None = None)
     lm_dir = Path(lm_path or embedded_lm_dir(home))
     weights = lm_dir / WEIGHTS_FILE
     source = {"file": weights.name, "bytes": weights.stat().st_size}
-    return EMBEDDED_DRAFTER.ensure(home, lambda staging: write_embedded_dspark(lm_dir, staging),
-                                   record={"source": source})
+    num_layers = json.loads((lm_dir / CONFIG_FILE).read_text())["num_hidden_layers"]
+    layer_ids = tuple(i for i in EMBEDDED_TARGET_LAYER_IDS if i < num_layers)  # the tiny LM: 2
+    artifact = EMBEDDED_DRAFTER.for_target(lm_dir, embedded_lm_dir(home))
+    return artifact.ensure(home, lambda staging: write_embedded_dspark(lm_dir, staging, layer_ids),
+                           record={"source": source})
 
 
 def dspark_from_llama(

@@ -47,6 +47,14 @@ class Artifact:
     def path(self, home: Path | None = None) -> Path:
         return (home or moonserve_home()) / "models" / self.name
 
+    def for_target(self, target: Path | str, default_target: Path) -> Artifact:
+        """This artifact when built from `default_target` (the embedded LM); built from another
+        target (the tiny test model), a sibling named after that target's folder, so that
+        builds for two targets never share, and rebuild, one folder."""
+        if Path(target).resolve() == Path(default_target).resolve():
+            return self
+        return Artifact(f"{self.name}-{Path(target).name}", self.format_version)
+
     def verify(self, path: Path, **facts) -> bool:
         """True when `path` holds a complete build of this version whose files match its
         manifest, and whose recorded facts equal the `facts` given."""

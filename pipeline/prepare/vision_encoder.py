@@ -72,7 +72,8 @@ def build_encoder_dir(out_dir: Path, cfg: MoonViTConfig, seed: int) -> None:
     (out_dir / CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
 
 
-def write_embedded_encoder(home: Path | None = None, text_hidden_size: int = 576, seed: int = 0) -> Path:
+def write_embedded_encoder(home: Path | None = None, text_hidden_size: int = 576, seed: int = 0,
+                           artifact: Artifact = EMBEDDED_ENCODER) -> Path:
     """Build (or verify and reuse) the embedded encoder under home/models/moonvit-embedded; its path.
 
     About 4 MB (1.6 MB of it the 64x64 position table), under a second to build. An interrupted
@@ -80,20 +81,23 @@ def write_embedded_encoder(home: Path | None = None, text_hidden_size: int = 576
     config, is rebuilt.
     """
     cfg = embedded_encoder_config(text_hidden_size)
-    return EMBEDDED_ENCODER.ensure(home, lambda staging: build_encoder_dir(staging, cfg, seed),
-                                   seed=seed, config=cfg.to_dict())
+    return artifact.ensure(home, lambda staging: build_encoder_dir(staging, cfg, seed),
+                           seed=seed, config=cfg.to_dict())
 
 
 def prepare_vision_encoder(lm_path: Path | str | None = None, home: Path | None = None) -> Path:
     """The embedded MoonViT (seeded random weights) projecting to the LM's hidden size; idempotent.
+    For an LM other than the embedded one (the tiny test model) it has a folder of its own.
 
     Its weights are random: image requests take the real path, but the embedded model cannot see.
     """
     from moonserve.pipeline.prepare.language_model import embedded_lm_dir
 
-    lm_config = json.loads((Path(lm_path or embedded_lm_dir(home)) / CONFIG_FILE).read_text())
+    lm_dir = Path(lm_path or embedded_lm_dir(home))
+    lm_config = json.loads((lm_dir / CONFIG_FILE).read_text())
     hidden = lm_config.get("text_config", lm_config)["hidden_size"]
-    return write_embedded_encoder(home, text_hidden_size=hidden)
+    artifact = EMBEDDED_ENCODER.for_target(lm_dir, embedded_lm_dir(home))
+    return write_embedded_encoder(home, text_hidden_size=hidden, artifact=artifact)
 
 
 def load_embedded_encoder(path: Path, attention_backend: str = "auto") -> MoonViT:

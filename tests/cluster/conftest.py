@@ -31,7 +31,7 @@ from pathlib import Path
 
 import psutil
 
-from tests.server.conftest import is_alive
+from tests.serving import is_alive
 
 LOCALHOST = "127.0.0.1"
 RAY = str(Path(sys.executable).with_name("ray"))

@@ -1,11 +1,11 @@
 """The app on a two-node Ray cluster: one LanguageModel replica per node, a node lost and regained.
 
 A head and a worker node on this machine (tests/cluster/conftest.py), each with `moonserve_lm: 1`
-and `moonserve_draft: 1`, so each node runs one LanguageModel replica (embedded model) and one of
-the two DraftService shards (speculation: requests sharded by id); the Router and Serve's one
-proxy on the head. The app is deployed by `moonserve serve --address` as a user deploys onto a
-cluster, with `external_scaler_enabled` (replicas set from outside). A real Prometheus
-scrapes every node through Ray's service-discovery file.
+and `moonserve_draft: 1`, so each node runs one LanguageModel replica (the tiny model of
+tests/serving.py, its steps paced) and one of the two DraftService shards (speculation: requests
+sharded by id); the Router and Serve's one proxy on the head. The app is deployed by `moonserve
+serve --address` as a user deploys onto a cluster, with `external_scaler_enabled` (replicas set
+from outside). A real Prometheus scrapes every node through Ray's service-discovery file.
 
 Prefix-affinity routing keeps each conversation on one node's replica: its first turn goes where
 power of two choices sends it, every later turn to the replica holding its prefix; the
@@ -21,8 +21,8 @@ Then a second Router app with a replica on each node keeps Responses turns in a 
 call (the dashboard's REST API) takes the LanguageModel from two replicas to one under load and
 cuts no stream.
 
-These tests run in order and share one cluster; they run before the session server starts
-(`tests/cluster` sorts first), so no third engine shares the two cores.
+These tests run in order and share one cluster, on one pytest-xdist worker (the other runs a
+session server's tests beside them: tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ import yaml
 from moonserve.pipeline.app.launch import ServerProcess
 from moonserve.pipeline.bench.corpus import copy_prompts, filler_text
 from moonserve.pipeline.bench.routing import replica_stats
-from moonserve.pipeline.config import DEFAULT_CONFIG
 from tests.cluster.conftest import Prometheus, TwoNodeCluster, free_ports
 from tests.conftest import MODEL, REPO
+from tests.serving import tiny_model_args
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -58,10 +58,15 @@ DEPLOYMENTS = ("Router", "LanguageModel", "DraftService", "VisionEncoder", "Imag
 DOCS_SCREENSHOTS = ("ray-dashboard-serve-app.png", "ray-dashboard-nodes.png")
 
 
+# Each engine step paced at 50 ms (the tiny model's own are a few ms): streams last as long as
+# the kill and scale-down tests need them to.
+STEP_S = 0.05
+
+
 def two_node_config(http_port: int) -> dict:
-    """configs/local.yaml with two LanguageModel replicas, one per `moonserve_lm` node, scaled
-    from outside (`external_scaler_enabled`)."""
-    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    """configs/local.yaml on the tiny model (tests/serving.py) with two LanguageModel replicas,
+    one per `moonserve_lm` node, scaled from outside (`external_scaler_enabled`)."""
+    data, _ = tiny_model_args()
     data["http_options"]["port"] = http_port
     # Replicas set from outside (the scale-down test's REST call): no Serve autoscaling beside it.
     data["applications"][0]["external_scaler_enabled"] = True
@@ -71,8 +76,9 @@ def two_node_config(http_port: int) -> dict:
     lm = args["language_model"]
     lm["deployment"] = {"num_replicas": 2, "max_ongoing_requests": 64}
     lm["placement"] = {"bundles": [{"CPU": 0.5, "moonserve_lm": 1}], "strategy": "STRICT_PACK"}
-    # Two engines on two cores: one unbound OpenMP thread each.
-    lm["env"] = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+    # Two engines on two cores: one unbound OpenMP thread each; their steps paced.
+    lm["env"] = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
+                 "MOONSERVE_STEP_PACE_S": str(STEP_S)}
     # Two DraftService shards, one per node.
     args["draft"]["deployment"] = {"num_replicas": 2, "max_ongoing_requests": 64,
                                    "resources": {"moonserve_draft": 1}}
@@ -342,7 +348,9 @@ async def test_each_responses_session_stays_on_one_replica(lm_counts, app):
 
 
 async def test_killing_the_worker_node_under_load_loses_no_request(cluster, app, lm_counts):
-    streams, stream_tokens = 6, 200
+    # Greedy, 1 to 5 tokens a paced step (the drafts the tiny model's repeats get accepted): 10
+    # to 50 s, running when the node dies.
+    streams, stream_tokens = 6, 1000
     async with httpx.AsyncClient(timeout=httpx.Timeout(300, connect=10)) as http:
         started = [asyncio.Event() for _ in range(streams)]
         long = [asyncio.create_task(chat(http, app, f"Tell story {k}.", stream_tokens, e))
@@ -421,6 +429,10 @@ async def test_the_node_rejoins_and_both_replicas_serve_again(cluster, app, prom
             assert time.monotonic() < deadline, {"served": served, "drafted": shards}
 
 
+def scrape_health(prometheus: Prometheus) -> list[tuple]:
+    return [(t["scrapeUrl"], t["health"], t["lastError"]) for t in prometheus.targets()]
+
+
 def grafana_queries() -> list[tuple[str, str]]:
     dashboard = json.loads((REPO / "configs" / "grafana" / "moonserve.json").read_text())
     return [(p["title"], t["expr"].replace("$application", APP))
@@ -428,28 +440,41 @@ def grafana_queries() -> list[tuple[str, str]]:
 
 
 async def test_every_grafana_panel_query_returns_a_series(app, prometheus):
-    from tests.server.test_multimodal import data_url, image_chat, png
+    """Rounds of a mix that sets every panel's series, until each query returns one: beside the
+    other pytest-xdist worker, a round's gauges can reach Prometheus late, and a gauge that is
+    not set again can leave it."""
+    from tests.payloads import data_url, png
 
     image = data_url(png((98, 70), (5, 6, 7)))
+    deadline = time.monotonic() + 180
     async with httpx.AsyncClient(timeout=300) as http:
-        for prompt in copy_prompts(2):  # drafts proposed and accepted
+        while True:
+            await grafana_mix(http, app, image)
+            await asyncio.sleep(5)  # Ray's metrics export and Prometheus's scrape
+            empty = [(title, q) for title, q in grafana_queries() if not prometheus.query(q)]
+            if not empty:
+                break
+            assert time.monotonic() < deadline, \
+                f"queries without a series: {empty}; scrape targets: {scrape_health(prometheus)}"
+
+
+async def grafana_mix(http: httpx.AsyncClient, app: str, image: str) -> None:
+    from tests.payloads import image_chat
+
+    # Greedy, the tiny model's repeats take the drafts; sampled, its random tokens reject the
+    # copies drafted from the prompt until the request pauses (quiet rows).
+    for prompt in copy_prompts(2):
+        for temperature in (0.0, 1.0):
             r = await http.post(f"{app}/v1/chat/completions", json={
                 "model": MODEL, "messages": [{"role": "user", "content": prompt}],
-                "max_tokens": 24, "temperature": 0})
+                "max_tokens": 48, "temperature": temperature})
             assert r.status_code == 200, r.text
-        for _ in range(2):  # an encoder cache miss, then a hit
-            r = await http.post(f"{app}/v1/chat/completions", json={
-                "model": MODEL, "messages": image_chat(image), "max_tokens": 4})
-            assert r.status_code == 200, r.text
-        outcomes = await asyncio.gather(*(chat(http, app, f"Hello {k}", 24) for k in range(4)))
+    for _ in range(2):  # an encoder cache miss, then a hit
+        r = await http.post(f"{app}/v1/chat/completions", json={
+            "model": MODEL, "messages": image_chat(image), "max_tokens": 4})
+        assert r.status_code == 200, r.text
+    outcomes = await asyncio.gather(*(chat(http, app, f"Hello {k}", 24) for k in range(4)))
     assert [o.kind for o in outcomes] == ["completed"] * 4, outcomes
-    deadline = time.monotonic() + 60
-    while True:
-        empty = [(title, q) for title, q in grafana_queries() if not prometheus.query(q)]
-        if not empty:
-            break
-        assert time.monotonic() < deadline, f"queries without a series: {empty}"
-        await asyncio.sleep(3)
 
 
 def test_the_dashboard_shows_both_nodes_after_login_with_the_token(cluster, app, tmp_path):
@@ -573,9 +598,9 @@ async def test_stored_turns_in_redis_are_read_by_router_replicas_on_both_nodes(
 
 
 SCALED_STREAMS = 4
-# Sampled, undrafted, two per engine on one core each: ~40 s, twice Serve's 20 s drain (a
-# stream that outlasts the drain is one a broken drain would cut).
-SCALED_STREAM_TOKENS = 200
+# Sampled, undrafted, one token a paced step: 30 s, past Serve's 20 s drain (a stream that
+# outlasts the drain is one a broken drain would cut).
+SCALED_STREAM_TOKENS = 600
 
 
 async def test_scaling_the_language_model_down_under_load_cuts_no_stream(cluster, app, lm_counts):

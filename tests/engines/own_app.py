@@ -1,10 +1,10 @@
 """A module's own moonserve app and Serve handle calls made from a child process, for the tests in
-tests/engines (each runs its own app, which the session server of tests/server may run beside, in
-another pytest-xdist worker).
+tests/engines (each runs its own app, which a session server of tests/server or tests/smollm2
+may run beside, in another pytest-xdist worker).
 
-- `running_app(root, args, port)`: `moonserve serve` on `configs/local.yaml` with its application
-  `args` replaced by `args`, on `port` (dashboard and metrics ports derived), logging to
-  `root/serve.log`; yields the `ServerProcess` and stops it after.
+- `running_app(root, data, port)`: `moonserve serve` on the config `data` (`configs/local.yaml`
+  as `tests.serving.local_args()` reads it, edited), on `port` (dashboard and metrics ports
+  derived), logging to `root/serve.log`; yields the `ServerProcess` and stops it after.
 - `serve_calls_in_child(address)`: yields `call(deployment, method, *args)`, a Serve handle call
   made in a spawned child process, joined to the Ray cluster at `address` (the app's
   `ray_address()`: another cluster may run on the machine, e.g. the session server's in the
@@ -24,13 +24,6 @@ from pathlib import Path
 import yaml
 
 from moonserve.pipeline.app.launch import ServerProcess, join_ray
-from moonserve.pipeline.config import DEFAULT_CONFIG
-
-
-def local_args() -> tuple[dict, dict]:
-    """The parsed `configs/local.yaml` and its application's `args` (edit these in place)."""
-    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    return data, data["applications"][0]["args"]
 
 
 @contextmanager

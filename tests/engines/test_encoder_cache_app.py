@@ -37,7 +37,8 @@ from moonserve.pipeline.synthetic_checkpoints.k25 import (
     serve_vision,
     write_k25_checkpoint,
 )
-from tests.engines.own_app import local_args, running_app, serve_calls_in_child
+from tests.engines.own_app import running_app, serve_calls_in_child
+from tests.serving import local_args
 
 HTTP_PORT = 8132
 MEDIA_PAD = "<|media_pad|>"

@@ -3,11 +3,11 @@
 is the way in, the hidden-state drafter is what the engine verifies, and neither test group
 touches what the other checks.
 
-The app is `configs/local.yaml` without vision, started by `moonserve serve`, which turns on
-Serve's HAProxy mode for the cluster it starts; the DraftService drafts from a K3 DSpark
-checkpoint sized to the embedded target (random weights, written here, reading target layers 0,
-14 and 29). Its engine is its own (the session server may run beside it, in another pytest-xdist
-worker: tests/conftest.py).
+The app is `configs/local.yaml` on the tiny model (tests/serving.py) without vision, started by
+`moonserve serve`, which turns on Serve's HAProxy mode for the cluster it starts; the
+DraftService drafts from a K3 DSpark checkpoint sized to the tiny target (random weights, written
+here, reading both its layers). Its engine is its own (a session server may run beside it, in
+another pytest-xdist worker: tests/conftest.py).
 
 `dspark_context`: the target's hidden states reach the drafter.
 - Greedy output with the hidden-state drafter equals output with the `none` drafter, and the
@@ -36,28 +36,34 @@ from safetensors.torch import save_file
 from moonserve.pipeline.bench.corpus import copy_prompts
 from moonserve.pipeline.models.dspark import DSparkConfig, DSparkModel
 from tests.conftest import MODEL
-from tests.engines.own_app import local_args, running_app, serve_calls_in_child
+from tests.engines.own_app import running_app, serve_calls_in_child
+from tests.serving import tiny_model_args
 
 HTTP_PORT = 8131
 TOKENS = 24
-TARGET = {"hidden_size": 576, "num_hidden_layers": 30, "vocab_size": 49152}
+TARGET = {"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 49152}  # the tiny model
 
 
 def write_drafter(directory) -> None:
     """config.json (vLLM's K3DSparkConfig fields) and random weights without the target's
-    embedding and LM head, which the service shares from the target."""
+    embedding and LM head, which the service shares from the target. Its final norm is zero, so
+    its block logits are the Markov head's random bias alone: it never guesses the tiny target's
+    repeated token (with the target's LM head it would), every draft is rejected, and the
+    context rows of a request are exactly its tokens' (an accepted draft past max_tokens would
+    add its row)."""
     config = DSparkConfig(
         hidden_size=TARGET["hidden_size"], vocab_size=TARGET["vocab_size"], num_hidden_layers=1,
         num_attention_heads=4, intermediate_size=512, q_lora_rank=64, kv_lora_rank=32,
         qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, markov_rank=16,
-        mask_token_id=0, target_layer_ids=(0, 14, 29), target_hidden_size=TARGET["hidden_size"],
-        num_target_layers=3, shares_target_embedding=True, max_position_embeddings=8192)
+        mask_token_id=0, target_layer_ids=(0, 1), target_hidden_size=TARGET["hidden_size"],
+        num_target_layers=2, shares_target_embedding=True, max_position_embeddings=8192)
     torch.manual_seed(0)
     model = DSparkModel(config, tie_word_embeddings=False, conditioned=True)
     tensors = {name: (torch.ones_like(p) if name.endswith("norm.weight") else
                       0.02 * torch.randn_like(p)).contiguous()
                for name, p in model.state_dict().items()
                if name not in ("embed_tokens.weight", "lm_head.weight")}
+    tensors["final_norm.weight"] = torch.zeros_like(tensors["final_norm.weight"])
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(
         {**config.to_dict(), "model_type": "k3_dspark", "dspark_noise_token_id": 0}))
@@ -68,7 +74,7 @@ def write_drafter(directory) -> None:
 def app(tmp_path_factory):
     root = tmp_path_factory.mktemp("haproxy-dspark-context")
     write_drafter(root / "drafter")
-    data, args = local_args()
+    data, args = tiny_model_args()
     args["router"]["ingress"] = "haproxy"
     args["vision"] = None
     # Adaptive depth off: a paused request's rows would wait out its pause (StepReply.quiet), and
@@ -76,6 +82,8 @@ def app(tmp_path_factory):
     args["draft"] = {**args.get("draft", {}), "mode": "service", "drafter": "dspark_context",
                      "model": str(root / "drafter"), "deadline_ms": 2000.0,
                      "adaptive": {"enabled": False}}
+    # Steps of at least 20 ms: the disconnect test's stream outlives its checks.
+    args["language_model"]["env"] = {"MOONSERVE_STEP_PACE_S": "0.02"}
     # Serve keeps a Router replica that HAProxy may still route to for 30 s after it is told to
     # stop, Ctrl-C's included; nothing here replaces one.
     env = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}

@@ -1,7 +1,8 @@
-"""API keys and per-request limits: unit tests, then a secured Router on the running cluster.
+"""API keys and per-request limits: unit tests, then a secured Router bound to the session server.
 
-The secured app is a second Router bound to the session server's LanguageModel deployment (no
-second engine): auth on, small limits.
+The secured Router runs in this process (`RunningServer.router_here`: Router-only settings),
+bound to the session server's LanguageModel deployment (no second engine): auth on, small limits;
+the rate-limited one uses a RateLimiter deployed on the session server's cluster.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ SECURED_LIMITS = {"max_request_bytes": 4096, "max_messages": 3, "max_message_cha
 
 @pytest.fixture(scope="module")
 def secured(server):
-    with server.router_app("secured", auth={"enabled": True, "api_keys": [KEY]},
+    with server.router_here(auth={"enabled": True, "api_keys": [KEY]},
                            limits=SECURED_LIMITS) as url:
         yield url
 
@@ -117,7 +118,7 @@ RATE_LIMITS = {"requests_per_s": 0.5, "tokens_per_min": 20}
 
 @pytest.fixture(scope="module")
 def limited(server):
-    with server.router_app("limited", auth={"enabled": True, "api_keys": [KEY, OTHER_KEY]},
+    with server.router_here(auth={"enabled": True, "api_keys": [KEY, OTHER_KEY]},
                            rate_limits=RATE_LIMITS) as url:
         yield url
 

@@ -19,7 +19,8 @@ import psutil
 import pytest
 
 from tests.conftest import MODEL
-from tests.server.conftest import wait_gone
+from tests.payloads import data_url, image_chat, png
+from tests.serving import wait_gone
 
 pytestmark = pytest.mark.destructive
 
@@ -108,8 +109,6 @@ def test_killed_language_model_replica_ends_streams_and_recovers(server):
 
 
 def image_request(base_url: str, seed: int) -> httpx.Response:
-    from tests.server.test_multimodal import data_url, image_chat, png
-
     body = {"model": MODEL, "messages": image_chat(data_url(png((56 + seed % 50, 56), (seed % 256, 0, 0)))),
             "max_tokens": 2}
     return httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60)
@@ -164,19 +163,18 @@ def test_killed_draft_service_costs_speculation_not_tokens(server):
     from concurrent.futures import ThreadPoolExecutor
 
     from moonserve.pipeline.bench.corpus import copy_prompts
-    from tests.server.test_metrics import scrape
-    from tests.server.test_speculative_server import CONFIGURED, draft_handle, spec_counters
+    from tests.serving import scrape
 
     body = {"model": MODEL, "messages": [{"role": "user", "content": copy_prompts(1, seed=9)[0]}],
             "max_tokens": 160, "ignore_eos": True, "temperature": 0}
-    handle = draft_handle(server)
-    handle.set_drafter.remote("none").result(timeout_s=60)
-    reference = httpx.post(f"{server.base_url}/v1/chat/completions", json=body,
-                           timeout=120).json()["choices"][0]["message"]["content"]
-    handle.set_drafter.remote(CONFIGURED).result(timeout_s=60)
+    with server.drafter("none"):
+        reference = httpx.post(f"{server.base_url}/v1/chat/completions", json=body,
+                               timeout=120).json()["choices"][0]["message"]["content"]
 
     progress = threading.Event()
-    with ThreadPoolExecutor(1) as pool:
+    # Paced at 100 ms a step, the stream outlives the kill by seconds (the tiny model's own steps
+    # would end it first).
+    with ThreadPoolExecutor(1) as pool, server.paced(0.1):
         stream = pool.submit(greedy_stream_text, server.base_url, body, progress)
         assert progress.wait(60), "the stream did not start"
         os.kill(replica_process(server, "DraftService").pid, signal.SIGKILL)
@@ -187,16 +185,16 @@ def test_killed_draft_service_costs_speculation_not_tokens(server):
     # Speculation resumes once Serve has replaced the replica (its sessions start empty).
     short = {**body, "max_tokens": 24}
     while True:
-        accepted = spec_counters(server)[1]
+        accepted = server.spec_counters()[1]
         r = httpx.post(f"{server.base_url}/v1/chat/completions", json=short, timeout=60)
         assert r.status_code == 200, r.text
-        if spec_counters(server)[1] > accepted:
+        if server.spec_counters()[1] > accepted:
             break
         assert time.monotonic() - killed_at < 180, "speculation did not resume"
         time.sleep(1)
     print(f"\nDraftService killed mid-stream: tokens unchanged; drafting again after "
           f"{time.monotonic() - killed_at:.1f} s")
     deadline = time.monotonic() + 60
-    while scrape().get("ray_moonserve_draft_fallbacks_total", 0) <= 0:
+    while scrape(server.metrics_url).get("ray_moonserve_draft_fallbacks_total", 0) <= 0:
         assert time.monotonic() < deadline, "no moonserve_draft_fallbacks exported"
         time.sleep(3)

@@ -2,8 +2,9 @@
 
 Bodies are drawn by hypothesis from a mix of well-formed fields and arbitrary JSON in their place,
 plus unknown keys and raw bytes. Every response must be a well-formed OpenAI error (4xx) or a valid
-completion. The fuzzed Router is a second app on the session cluster, bound to the same
-LanguageModel, with `max_tokens` capped at 1 so the valid inputs stay cheap.
+completion. The fuzzed Router runs in this process (`RunningServer.router_here`: a Router-only
+setting), bound to the session server's LanguageModel, with `max_tokens` capped at 1 so the valid
+inputs stay cheap.
 """
 
 from __future__ import annotations
@@ -210,7 +211,7 @@ messages_body = st.fixed_dictionaries(
 
 @pytest.fixture(scope="module")
 def fuzz_url(server):
-    with server.router_app("fuzz", limits={"max_tokens": 1, "default_max_tokens": 1}) as url, \
+    with server.router_here(limits={"max_tokens": 1, "default_max_tokens": 1}) as url, \
             httpx.Client(base_url=url, timeout=60) as http:
         yield http
 

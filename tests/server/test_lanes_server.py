@@ -18,7 +18,9 @@ import pytest
 from tests.conftest import MODEL
 
 
-# Long enough (~15 s at ~15 tokens/s) to outlast the queue-timeout step with a wide margin.
+# The engine's steps paced at 60 ms, drafts off: one token a step, about SmolLM2's pace here.
+STEP_S = 0.06
+# Long enough (~15 s) to outlast the queue-timeout step with a wide margin.
 HOLD_TOKENS = 240
 TINY_LANES = {
     "long_context_threshold_tokens": 64,
@@ -26,6 +28,12 @@ TINY_LANES = {
     "long_context": {"max_in_flight": 1, "max_queue": 1, "queue_timeout_s": 60, "priority": 10},
     "fifo": {"max_in_flight": 1, "max_queue": 1},
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def paced(server):
+    with server.paced(STEP_S), server.drafter("none"):
+        yield
 
 
 @pytest.fixture(scope="module")

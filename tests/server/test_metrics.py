@@ -3,27 +3,11 @@
 from __future__ import annotations
 
 import time
-import urllib.request
-
 
 from moonserve.pipeline.metrics import METRICS
 from tests.conftest import MODEL
-from tests.server.conftest import METRICS_PORT
-
-
-
-def scrape() -> dict[str, float]:
-    """Prometheus text -> {sample name: sum of its values over all label sets}."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    samples: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("#") or " " not in line:
-            continue
-        name_labels, value = line.rsplit(" ", 1)
-        name = name_labels.split("{", 1)[0]
-        samples[name] = samples.get(name, 0.0) + float(value)
-    return samples
+from tests.payloads import data_url, image_chat, png
+from tests.serving import scrape
 
 
 # Counts faults: tests/server/test_faults.py checks it after killing the DraftService.
@@ -45,8 +29,6 @@ def expected_samples() -> dict[str, str]:
 
 
 def test_metrics_are_exported_with_values_after_requests(server, client):
-    from tests.server.test_multimodal import data_url, image_chat, png
-
     for stream in (False, True):
         r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                            max_tokens=6, stream=stream)
@@ -64,7 +46,7 @@ def test_metrics_are_exported_with_values_after_requests(server, client):
     want = expected_samples()
     deadline, missing = time.monotonic() + 90, want
     while time.monotonic() < deadline:
-        samples = scrape()
+        samples = scrape(server.metrics_url)
         missing = {m: s for m, s in want.items() if s not in samples or
                    (METRICS[m].kind != "gauge" and samples[s] <= 0)}
         if not missing:

@@ -10,20 +10,11 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from PIL import Image
 
-from moonserve.pipeline.bench.corpus import broken_images, data_url, encode, odd_images
+from moonserve.pipeline.bench.corpus import broken_images, odd_images
 from moonserve.pipeline.vision.preprocess import navit_grid, num_image_tokens
 from tests.conftest import MODEL
-
-
-def png(size=(224, 224), color=(200, 30, 30), mode="RGB") -> bytes:
-    return encode(Image.new(mode, size, color), "PNG")
-
-
-def image_chat(*urls: str, text="Describe the picture.") -> list[dict]:
-    parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
-    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+from tests.payloads import data_url, image_chat, png
 
 
 def expected_tokens(size) -> int:

@@ -13,9 +13,10 @@ from tests.conftest import MODEL
 
 def test_overload_burst_loses_nothing_and_the_server_recovers(server, client):
     url = f"{server.base_url}/v1/chat/completions"
-    # ~30 requests/s for 6 s: far over what one CPU engine serves (~1-2 of these per second),
-    # and over the interactive lane's 16 in flight + 64 queued.
-    outcomes = asyncio.run(overload(url, MODEL, rate=30, seconds=6, timeout_s=120))
+    # ~30 requests/s for 6 s, each 16 steps of 100 ms (drafts off): the engine serves 16 of them
+    # in 1.6 s, so the interactive lane's 16 in flight + 64 queued fill in about 3 s.
+    with server.paced(0.1), server.drafter("none"):
+        outcomes = asyncio.run(overload(url, MODEL, rate=30, seconds=6, timeout_s=120))
     print(f"\noverload burst: {outcomes.summary()}")
     assert outcomes.lost == 0, outcomes.summary()
     assert outcomes.completed + outcomes.rejected == outcomes.sent

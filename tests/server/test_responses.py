@@ -1,26 +1,19 @@
-"""OpenAI's Responses API in the running app, through the `openai` client (the Agents SDK's
-Responses model runs its tool loop in tests/server/test_tools.py): whole and streamed answers
-equal the chat answer to the same conversation, a tool loop continued
-by `previous_response_id` (with an image that is never sent again), stored turns read back,
-listed and deleted, visible to their API key alone and kept across a Router replica's
-replacement, and 400s in OpenAI's shape naming the Responses field."""
+"""OpenAI's Responses API in the running app, through the `openai` client: whole and streamed
+answers equal the chat answer to the same conversation, stored turns read back, listed and
+deleted, visible to their API key alone and kept across a Router replica's replacement, and 400s
+in OpenAI's shape naming the Responses field. A tool loop continued by `previous_response_id`
+and a JSON Schema format need SmolLM2's text: tests/smollm2/test_apis.py (the Agents SDK's
+Responses model runs its tool loop in tests/smollm2/test_tools.py)."""
 
 from __future__ import annotations
 
-import json
-
 import anthropic
-import jsonschema
 import openai
 import pytest
-import yaml
 
-from moonserve.pipeline.bench.corpus import data_url
-from tests.conftest import LOCAL_CONFIG, MODEL
-from tests.server.test_multimodal import png
-from tests.server.test_tools import SCHEMAS, TOOLS
+from tests.conftest import MODEL
+from tests.payloads import FUNCTIONS
 
-FUNCTIONS = [{"type": "function", **tool["function"]} for tool in TOOLS]
 GREEDY = {"temperature": 0, "max_output_tokens": 24}
 
 
@@ -53,31 +46,6 @@ def test_a_stream_reassembles_to_the_stored_response(client):
     assert whole.output_text == final.output_text
 
 
-def test_a_tool_loop_continues_by_previous_response_id_without_resending_the_image(client):
-    image = data_url(png((64, 48), (200, 30, 30)))
-    first = client.responses.create(
-        model=MODEL, tools=FUNCTIONS, tool_choice="required", temperature=0,
-        max_output_tokens=96, input=[{"role": "user", "content": [
-            {"type": "input_text", "text": "What is the weather in the city in this picture?"},
-            {"type": "input_image", "image_url": image}]}])
-    calls = [item for item in first.output if item.type == "function_call"]
-    assert calls and first.status == "completed"
-    for call in calls:
-        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
-    second = client.responses.create(
-        model=MODEL, previous_response_id=first.id, tools=FUNCTIONS, temperature=0,
-        max_output_tokens=24, tool_choice="none",
-        input=[{"type": "function_call_output", "call_id": c.call_id, "output": "Sunny, 21 C"}
-               for c in calls])
-    assert second.previous_response_id == first.id and second.output_text
-    # The second turn's prompt holds the first turn (its image included) without a re-upload.
-    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
-    items = client.responses.input_items.list(second.id)
-    assert [i.type for i in items.data] == ["function_call_output"] * len(calls)
-    first_items = client.responses.input_items.list(first.id)
-    assert first_items.data[0].content[1].type == "input_image"
-
-
 def test_a_stored_response_is_deleted_and_then_gone(client):
     response = client.responses.create(model=MODEL, input="Hi", **GREEDY)
     assert client.responses.retrieve(response.id).id == response.id
@@ -91,16 +59,6 @@ def test_a_stored_response_is_deleted_and_then_gone(client):
     unstored = client.responses.create(model=MODEL, input="Hi", store=False, **GREEDY)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
-
-
-def test_a_json_schema_format_is_held(client):
-    schema = {"type": "object", "properties": {"city": {"type": "string"}},
-              "required": ["city"], "additionalProperties": False}
-    response = client.responses.create(
-        model=MODEL, input="Name a city as JSON.", temperature=0, max_output_tokens=48,
-        text={"format": {"type": "json_schema", "name": "city", "schema": schema,
-                         "strict": True}})
-    jsonschema.validate(json.loads(response.output_text), schema)
 
 
 @pytest.mark.parametrize("body, param", [
@@ -144,8 +102,7 @@ def test_stored_turns_in_redis_are_their_keys_alone_and_outlive_the_router_repli
         assert caught.value.body["error"]["type"] == "authentication_error"
         # A new Router replica (the app redeployed with other arguments) reads what the old
         # one stored.
-        limits = yaml.safe_load(LOCAL_CONFIG.read_text())["applications"][0]["args"]["router"][
-            "limits"]
+        limits = server.args()["router"]["limits"]
         server.deploy_router("keyed", **router,
                              limits={**limits, "max_messages": limits["max_messages"] - 1})
         assert owner.responses.retrieve(response.id).output_text == response.output_text

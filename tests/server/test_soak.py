@@ -10,14 +10,12 @@ import json
 
 from moonserve.pipeline.bench.soak import KINDS, Options, soak
 from tests.conftest import MODEL
-from tests.server.conftest import METRICS_PORT
 
 
 def test_a_short_soak_of_the_whole_mix_loses_nothing(server):
     options = Options(duration_s=30, warmup_s=10, concurrency=3, sample_s=5, settle_s=40,
                       timeout_s=120, seed=1)
-    metrics = f"http://127.0.0.1:{METRICS_PORT}/metrics"
-    result = asyncio.run(soak(server.process, metrics, MODEL, options))
+    result = asyncio.run(soak(server.process, server.metrics_url, MODEL, options))
     summary = {k: v for k, v in result.items() if k != "samples"}
     assert set(result["requests"]) == set(KINDS), summary
     # As text: pytest cuts a dict's repr, and the losses' details are what a failure needs.

@@ -147,7 +147,11 @@ def test_builder_binds_router_and_language_model_from_config():
     lm = language_model_options(cfg.language_model)
     assert lm["placement_group_bundles"] == [{"CPU": 1.0}]
     assert lm["placement_group_strategy"] == "STRICT_PACK"
-    assert lm["ray_actor_options"]["runtime_env"]["env_vars"]["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
+    # No env: the replica inherits the environment (VLLM_CPU_OMP_THREADS_BIND where it is set).
+    assert "runtime_env" not in lm["ray_actor_options"]
+    with_env = cfg.language_model.model_copy(update={"env": {"VLLM_CPU_OMP_THREADS_BIND": "1"}})
+    assert language_model_options(with_env)["ray_actor_options"]["runtime_env"] == \
+        {"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": "1"}}
     assert router_options(cfg.router)["max_ongoing_requests"] == 256
 
 

@@ -31,7 +31,7 @@ from jsonschema.validators import Draft202012Validator, validator_for
 
 from moonserve.pipeline.bench.corpus import data_url
 from tests.conftest import MODEL
-from tests.server.test_multimodal import png
+from tests.payloads import png
 from tests.strategies import random_schema
 
 EXAMPLES = int(os.environ.get("MOONSERVE_AGENTIC_EXAMPLES", "40"))
