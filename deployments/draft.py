@@ -10,8 +10,8 @@ seconds. The proposer's own counters arrive with each step and are exported here
 
 Example (without Serve):
     >>> service = DraftService(DraftConfig(mode="service"), "/path/to/dspark", "/path/to/target")
-    >>> await service.draft_step({"seq": 1, "k": 4, "rows": [["r1", 0, [1, 2, 1]]], "release": []})
     >>> await service.endpoint()            # {"endpoint": "10.0.0.5:40123", "token": "..."}
+    >>> # a proposer then sends each step there (`moonserve.pipeline.speculative.endpoint`)
 """
 
 from __future__ import annotations
@@ -149,12 +149,6 @@ class DraftService:
         if self.evictor is None:
             self.evictor = asyncio.get_running_loop().create_task(self.evict_forever())
         return self.steps.endpoint()
-
-    async def draft_step(self, message: dict) -> dict:
-        """The same step through Serve (tools and tests; the engine uses the socket)."""
-        reply, after = await asyncio.to_thread(self.serve_step, message)
-        await asyncio.to_thread(after)
-        return reply
 
     async def set_drafter(self, name: str, adaptive: bool | None = None,
                           shard: int | None = None, settings: dict | None = None,

@@ -29,9 +29,11 @@ def server(tmp_path_factory) -> RunningServer:
     servers = session_server(tmp_path_factory.mktemp("smollm2"), DEFAULT_CONFIG, HTTP_PORT)
     running = next(servers)
     yield running
-    generated = settled(running.metrics_url, "ray_moonserve_completion_tokens_total")
+    try:
+        generated = settled(running.metrics_url, "ray_moonserve_completion_tokens_total")
+    finally:
+        next(servers, None)  # stops the server
     print(f"\ntests/smollm2: SmolLM2 generated {generated:.0f} completion tokens")
-    next(servers, None)  # stops the server
     assert generated <= TOKEN_BUDGET, \
         f"tests/smollm2 generated {generated:.0f} completion tokens, over its {TOKEN_BUDGET}"
 
