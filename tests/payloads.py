@@ -7,8 +7,11 @@ from PIL import Image
 
 from moonserve.pipeline.bench.corpus import data_url, encode
 
-__all__ = ["ANTHROPIC_GREEDY", "ANTHROPIC_TOOLS", "ASK", "FUNCTIONS", "NAMED", "SCHEMAS", "TOOLS", "chat_ids",
+__all__ = ["ANTHROPIC_GREEDY", "ANTHROPIC_TOOLS", "ASK", "COPY_PROMPT", "FUNCTIONS", "NAMED", "SCHEMAS", "TOOLS", "chat_ids",
            "anthropic_prompt_tokens", "data_url", "image_chat", "png", "reassemble"]
+
+# Two copies of a line, then its start: the n-gram drafter proposes the copy.
+COPY_PROMPT = "river stone lantern orbit velvet harbor copper meadow\n" * 2 + "river stone"
 
 # Today's Anthropic SDK has no sampling arguments; the API still reads `temperature`.
 ANTHROPIC_GREEDY = {"extra_body": {"temperature": 0}}

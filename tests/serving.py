@@ -22,7 +22,8 @@ import sys
 import threading
 import time
 import urllib.request
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from pathlib import Path
 
 import psutil
@@ -69,6 +70,12 @@ class RunningServer:
     def args(self) -> dict:
         """The application's `args` in this server's config file."""
         return yaml.safe_load(self.config.read_text())["applications"][0]["args"]
+
+    def app_config(self, **router_args) -> AppConfig:
+        """This server's application config with `router` args overridden."""
+        args = self.args()
+        args["router"].update(router_args)
+        return AppConfig.model_validate(args)
 
     def lm_handle(self, app_name: str = "moonserve"):
         """A Ray Serve handle to the LanguageModel deployment (joins the server's Ray cluster)."""
@@ -141,43 +148,28 @@ class RunningServer:
                                                    resolve_model_path)
         from moonserve.deployments.router import Router
 
-        args = self.args()
-        args["router"].update(router_args)
-        config = AppConfig.model_validate(args)
+        config = self.app_config(**router_args)
         lm_handle = self.lm_handle()
         limiter = bind_rate_limiter(config.router.rate_limits)
         if limiter is not None:
             limiter = serve.run(limiter, name="router-here-limits", route_prefix=None)
+        served = AsyncExitStack()
 
-        async def start() -> uvicorn.Server:
+        async def start() -> str:
             router = Router(config.router, lm_handle, resolve_model_path(config.language_model),
                             api_keys=resolve_api_keys(config.router),
                             chat=config.language_model.chat, rate_limiter=limiter)
-            server = uvicorn.Server(uvicorn.Config(
-                router.__serve_build_asgi_app__(), host="127.0.0.1", port=0,
-                log_level="warning", lifespan="off"))
-            serving = asyncio.ensure_future(server.serve())
-            while not server.started:
-                if serving.done():
-                    serving.result()  # raises why uvicorn did not start
-                    raise RuntimeError("uvicorn stopped before it started")
-                await asyncio.sleep(0.01)
-            server.task = serving
-            return server
-
-        async def stop(server: uvicorn.Server) -> None:
-            server.should_exit = True
-            await server.task
+            return await served.enter_async_context(listening(router.__serve_build_asgi_app__()))
 
         loop = asyncio.new_event_loop()
         thread = threading.Thread(target=loop.run_forever, name="router-here", daemon=True)
         thread.start()
         try:
-            server = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=120)
+            url = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=120)
             try:
-                yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+                yield url
             finally:
-                asyncio.run_coroutine_threadsafe(stop(server), loop).result(timeout=60)
+                asyncio.run_coroutine_threadsafe(served.aclose(), loop).result(timeout=60)
         finally:
             loop.call_soon_threadsafe(loop.stop)
             thread.join(timeout=30)
@@ -190,15 +182,31 @@ class RunningServer:
         from ray import serve
 
         from moonserve.deployments.builder import bind_router, resolve_model_path
-        from moonserve.pipeline.config import AppConfig
 
-        args = self.args()
-        args["router"].update(router_args)
-        config = AppConfig.model_validate(args)
+        config = self.app_config(**router_args)
         lm_handle = self.lm_handle()
         app = bind_router(config.router, lm_handle, resolve_model_path(config.language_model),
                           chat=config.language_model.chat, drain_s=config.drain_s())
         serve.run(app, name=name, route_prefix=f"/{name}")
+
+
+@asynccontextmanager
+async def listening(app) -> AsyncIterator[str]:
+    """`app` (ASGI) served by uvicorn on a free port of 127.0.0.1, on this event loop; yields its
+    base URL, and stops it after."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                           lifespan="off"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()  # raises why uvicorn did not start
+            raise AssertionError("uvicorn stopped before it started")
+        await asyncio.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        await task
 
 
 def session_server(root: Path, config: Path, port: int):

@@ -15,11 +15,10 @@ import pytest
 
 from moonserve.pipeline.bench.corpus import chat_prompts, copy_prompts
 from tests.conftest import MODEL
+from tests.payloads import COPY_PROMPT as SAMPLED_PROMPT
 from tests.payloads import data_url, image_chat, png
 
 GREEDY_TOKENS = 32
-# Two copies of a line, then its start: the n-gram drafter proposes the copy.
-SAMPLED_PROMPT = "river stone lantern orbit velvet harbor copper meadow\n" * 2 + "river stone"
 # The embedded DSpark drafter drafts on the engine's step: give it time (its 25 ms deadline is
 # set for the step of SmolLM2, not the tiny model's), and k drafts every step (it is untrained,
 # so adaptive depth would leave it probing).

@@ -9,6 +9,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 from tests.conftest import MODEL
+from tests.payloads import COPY_PROMPT
 
 
 def test_agent_session_with_the_suffix_drafter_equals_it_without(server):
@@ -33,10 +34,10 @@ def test_agent_session_with_the_suffix_drafter_equals_it_without(server):
     assert accepted > 0, f"suffix: {drafted} draft tokens, none accepted"
 
 
-# Two copies of a line, then its start: after " lantern" (probability 0.45 at temperature 1) the
-# n-gram drafter proposes " orbit velvet harbor copper", and the target agrees with " orbit" only
-# 56% of the time, so a verifier that kept drafts it should reject would over-produce the copy.
-SAMPLED_PROMPT = "river stone lantern orbit velvet harbor copper meadow\n" * 2 + "river stone"
+# tests.payloads.COPY_PROMPT: after " lantern" (probability 0.45 at temperature 1) the n-gram
+# drafter proposes " orbit velvet harbor copper", and SmolLM2 agrees with " orbit" only 56% of
+# the time, so a verifier that kept drafts it should reject would over-produce the copy.
+SAMPLED_PROMPT = COPY_PROMPT
 SAMPLES = 200
 
 

@@ -26,7 +26,6 @@ import httpx
 import msgspec
 import numpy as np
 import pytest
-import uvicorn
 from ray.exceptions import ActorDiedError, RayError, RayTaskError
 
 from moonserve.deployments.router import Router
@@ -41,6 +40,7 @@ from moonserve.pipeline.config import (
 from moonserve.pipeline.vision.errors import ImageError
 from tests.conftest import MODEL
 from tests.fake_engine import engine_request, fake_engine
+from tests.serving import listening
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -281,20 +281,9 @@ def encoder_handle(encoder) -> FakeDeploymentHandle:
 @asynccontextmanager
 async def serving(router: Router) -> AsyncIterator[httpx.AsyncClient]:
     """The router's app on a free port of 127.0.0.1, and an httpx client for it."""
-    config = uvicorn.Config(router.__serve_build_asgi_app__(), host="127.0.0.1", port=0,
-                            log_level="warning", lifespan="off")
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        assert not task.done(), "uvicorn did not start"
-        await asyncio.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
-            yield client
-    finally:
-        server.should_exit = True
-        await task
+    async with listening(router.__serve_build_asgi_app__()) as url, \
+            httpx.AsyncClient(base_url=url, timeout=30) as client:
+        yield client
 
 
 @pytest.fixture
