@@ -15,7 +15,7 @@ import pytest
 
 from moonserve.pipeline.bench.corpus import chat_prompts, copy_prompts
 from tests.conftest import MODEL
-from tests.payloads import COPY_PROMPT as SAMPLED_PROMPT
+from tests.payloads import COPY_PROMPT
 from tests.payloads import data_url, image_chat, png
 
 GREEDY_TOKENS = 32
@@ -68,7 +68,7 @@ def test_seeded_sampled_requests_get_no_drafts_and_repeat(server, client):
     """Verification draws random numbers per draft token, and whether a draft beat its deadline
     varies from run to run; a seeded sampled request is therefore not drafted for, so its seed
     repeats the answer. Unseeded and greedy requests on the same copy prompt are drafted for."""
-    kwargs = dict(model=MODEL, prompt=SAMPLED_PROMPT, max_tokens=24, temperature=1.0,
+    kwargs = dict(model=MODEL, prompt=COPY_PROMPT, max_tokens=24, temperature=1.0,
                   extra_body={"ignore_eos": True})
     with server.drafter("ngram"):
         before = server.spec_counters()

@@ -34,10 +34,10 @@ def test_agent_session_with_the_suffix_drafter_equals_it_without(server):
     assert accepted > 0, f"suffix: {drafted} draft tokens, none accepted"
 
 
-# tests.payloads.COPY_PROMPT: after " lantern" (probability 0.45 at temperature 1) the n-gram
-# drafter proposes " orbit velvet harbor copper", and SmolLM2 agrees with " orbit" only 56% of
-# the time, so a verifier that kept drafts it should reject would over-produce the copy.
-SAMPLED_PROMPT = COPY_PROMPT
+# The sampled tests below continue COPY_PROMPT: after " lantern" (probability 0.45 at
+# temperature 1) the n-gram drafter proposes " orbit velvet harbor copper", and SmolLM2 agrees
+# with " orbit" only 56% of the time, so a verifier that kept drafts it should reject would
+# over-produce the copy.
 SAMPLES = 200
 
 
@@ -71,7 +71,7 @@ def sample_pairs(client, count: int, n: int = 16) -> list[str]:
     batch). Unseeded: a seeded sampled request gets no drafts (tests/server's
     test_seeded_sampled_requests_get_no_drafts_and_repeat)."""
     def some(k: int) -> list[str]:
-        response = client.completions.create(model=MODEL, prompt=SAMPLED_PROMPT, max_tokens=2,
+        response = client.completions.create(model=MODEL, prompt=COPY_PROMPT, max_tokens=2,
                                              temperature=1.0, n=k,
                                              extra_body={"ignore_eos": True})
         return [choice.text for choice in response.choices]
@@ -120,7 +120,7 @@ def copy_pvalue(samples: list[str], dist: Counter, first_texts: Counter) -> floa
 
 def test_sampled_tokens_follow_the_exact_distribution_with_and_without(server, client,
                                                                        reference_model):
-    exact, first_texts = exact_pair_distribution(reference_model, SAMPLED_PROMPT, 1.0)
+    exact, first_texts = exact_pair_distribution(reference_model, COPY_PROMPT, 1.0)
     with server.drafter("ngram"):
         before = server.spec_counters()
         with_spec = sample_pairs(client, SAMPLES)
